@@ -1,0 +1,149 @@
+"""Engine configuration: a few dataclasses, loaded from one YAML file, validated on load."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.errors import ConfigError
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+_ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    # A path (HF directory or .gguf file), the bundled "smollm2-135m-instruct", or, with
+    # load_format "dummy", a preset name (see engine/loader/presets.py).
+    model: str = "smollm2-135m-instruct"
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    # Overrides for load_format "dummy" (e.g. {"num_hidden_layers": 2}).
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ConfigError("model: must name a model path, a preset or 'smollm2-135m-instruct'")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ConfigError(f"model.load_format: {self.load_format!r} is not one of {_LOAD_FORMATS}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"model.dtype: {self.dtype!r} is not one of {_DTYPES}")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Exactly one of num_blocks / memory_fraction decides the KV cache size; num_blocks wins.
+    num_blocks: int | None = None
+    memory_fraction: float = 0.1
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"cache.block_size: {self.block_size} must be a power of two in [1, 256]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"cache.num_blocks: {self.num_blocks} must be >= 1 (or unset to use memory_fraction)")
+        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ConfigError(f"cache.memory_fraction: {self.memory_fraction} must be in (0, 0.95]")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    # Per-step token budget; a prompt longer than this is prefilled in chunks.
+    max_num_batched_tokens: int = 512
+    # None: the model's context length.
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"scheduler.max_num_seqs: {self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"scheduler.max_num_batched_tokens: {self.max_num_batched_tokens} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"scheduler.max_model_len: {self.max_model_len} must be >= 1")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+    role: str = "colocated"
+    # torch intra-op threads; several engine processes share a machine's cores.
+    num_threads: int | None = None
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device: {self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.role not in _ROLES:
+            raise ConfigError(f"role: {self.role!r} is not one of {_ROLES}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads: {self.num_threads} must be >= 1")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        kwargs: dict[str, Any] = {}
+        top = {f.name for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            if key not in top:
+                raise ConfigError(f"unknown key {key!r}; valid keys: {sorted(top)}")
+            if key in sections:
+                kwargs[key] = _build(sections[key], key, value)
+            else:
+                kwargs[key] = value
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        engine = data.get("engine", data)
+        return cls.from_dict(engine)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **options: Any) -> EngineConfig:
+        """Flat vLLM-style options (`block_size=16, max_num_seqs=8`) to a validated config."""
+        section_of = {}
+        for name, section in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            for f in dataclasses.fields(section):
+                section_of[f.name] = name
+        nested: dict[str, Any] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+        for key, value in options.items():
+            if key in section_of:
+                nested[section_of[key]][key] = value
+            else:
+                nested[key] = value
+        return cls.from_dict(nested)
+
+
+def _build(section: type, name: str, value: Any) -> Any:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: must be a mapping, got {type(value).__name__}")
+    valid = {f.name for f in dataclasses.fields(section)}
+    for key in value:
+        if key not in valid:
+            raise ConfigError(f"unknown key {name}.{key}; valid keys: {sorted(valid)}")
+    return section(**value)

@@ -1,0 +1,182 @@
+"""The engine core every instance runs: requests in, one step at a time, token updates out.
+
+step(): scheduler.schedule() -> model_runner.execute() -> sampler -> scheduler.update_from_output().
+A bad request is refused in `add_request` with an InvalidRequestError; it never reaches
+the loop, so the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError, InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import ModelSource, load_model, resolve
+from engine.model_runner import ModelRunner, kv_cache_block_bytes
+from engine.models import CausalLM
+from engine.request import Request, RequestId, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestUpdate, SampledToken, Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.model.dtype, self.device)
+        self.source: ModelSource = resolve(config.model)
+        self.model: CausalLM = load_model(self.source, self.dtype, self.device, config.model.seed)
+        arch = self.model.config
+        self.vocab_size = arch.vocab_size
+        self.eos_token_id = arch.eos_token_id
+        self.max_model_len = _max_model_len(config, arch.max_position_embeddings)
+        block_size = config.cache.block_size
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * block_size} tokens, fewer than max_model_len "
+                f"{self.max_model_len}: raise cache.num_blocks / cache.memory_fraction or lower "
+                "scheduler.max_model_len"
+            )
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
+        self.sampler = Sampler()
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+                    arch.architecture, self.device, self.dtype, num_blocks, block_size)
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.dtype)
+        return max(1, int(_available_memory_bytes(self.device) * cache.memory_fraction) // block_bytes)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        extra_keys: tuple[str, ...] = (),
+    ) -> Request:
+        """Validate and build a request; raises InvalidRequestError with what to change."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt (it must leave room for at least one generated token)"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        room = self.max_model_len - num_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return Request(
+            request_id=RequestId(request_id),
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            max_tokens=max_tokens,
+            extra_keys=extra_keys,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.scheduler.finish(RequestId(request_id), RequestStatus.FINISHED_ABORTED)
+
+    def finish_stopped(self, request_id: str, stop: str) -> None:
+        request = self.scheduler.finish(RequestId(request_id), RequestStatus.FINISHED_STOPPED)
+        if request is not None:
+            request.stop_reason = stop
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestUpdate]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        request_ids, logits = self.runner.execute(scheduler_output)
+        requests = [self.scheduler.requests[r] for r in request_ids]
+        tokens = self.sampler(logits, requests)
+        sampled: dict[RequestId, SampledToken] = dict(zip(request_ids, tokens, strict=True))
+        return self.scheduler.update_from_output(scheduler_output, sampled)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_stats.num_queries,
+            prefix_cache_hits=self.kv.prefix_stats.num_hits,
+        )
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but no CUDA device is available: use device: cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 matmuls are slow on most CPUs; fp32 there, bf16 on GPUs.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+def _max_model_len(config: EngineConfig, max_position: int) -> int:
+    asked = config.scheduler.max_model_len
+    if asked is None:
+        return max_position
+    if asked > max_position:
+        raise ConfigError(
+            f"scheduler.max_model_len {asked} exceeds the model's context length {max_position}: lower it"
+        )
+    return asked
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
+
+
+__all__ = ["EngineCore", "EngineStats"]

@@ -1,0 +1,100 @@
+"""Maps requests to KV cache blocks: prefix-cache lookup, allocation, caching, freeing.
+
+Protocol per request: `get_computed_blocks` once (when first scheduled), then
+`allocate_slots` every step it is scheduled, then `free` when it finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_pool import BlockId, BlockPool
+from engine.request import Request, RequestId
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queries: int = 0  # prompt tokens looked up
+    num_hits: int = 0  # of which found in the cache
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.block_tables: dict[RequestId, list[BlockId]] = {}
+        self._num_cached_blocks: dict[RequestId, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
+        """The longest cached prefix of `request`, as (block ids, number of tokens).
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[BlockId] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.get_cached(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        num_tokens = len(block_ids) * self.block_size
+        self.prefix_stats.num_queries += request.num_tokens
+        self.prefix_stats.num_hits += num_tokens
+        return block_ids, num_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[BlockId] | None = None,
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out."""
+        new_computed_blocks = new_computed_blocks or []
+        table = self.block_tables.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(table) - len(new_computed_blocks)
+        # Cached blocks on the free list stop being free once this request takes them.
+        num_revived = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+            if not table:
+                del self.block_tables[request.request_id]
+            return False
+        self.pool.touch(new_computed_blocks)
+        table.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            table.extend(self.pool.allocate(num_new_blocks))
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        if end <= start:
+            return
+        table = self.block_tables[request.request_id]
+        self.pool.cache_blocks(table[start:end], request.block_hashes[start:end])
+        self._num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its prefix outlives its suffix."""
+        table = self.block_tables.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(table))
+
+    def get_block_table(self, request_id: RequestId) -> list[BlockId]:
+        return self.block_tables[request_id]

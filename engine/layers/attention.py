@@ -1,0 +1,56 @@
+"""The attention layer: project, rotate, write K/V into the paged cache, attend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from kernels import AttentionMetadata, paged_attention, write_kv_cache
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm_eps: float | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.rotary = rotary
+        # Qwen3 normalises each head of q and k before the rotation.
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        o = paged_attention(q, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.q_size))

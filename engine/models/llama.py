@@ -1,0 +1,170 @@
+"""One decoder for the Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2 (qkv bias) and
+Qwen3 (q/k norm). Tokens arrive flattened ([T]) from a varlen batch; attention goes
+through the paged KV cache. No distributed code here: parallelism is applied from outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import Attention
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.config import ModelArchConfig
+from kernels import AttentionMetadata
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            rotary,
+            qkv_bias=config.attention_bias,
+            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, D]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# HF checkpoint name -> (our parameter, shard): q/k/v and gate/up are fused here.
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head with the embedding where the config says so (again after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raises if one is missing, unknown or misshapen."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
+            param = params[target]
+            dest = param.data if shard is None else self._shard(target, param.data, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}:{shard}")
+        missing = self._expected_loads(params) - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, str | int | None]:
+        for old, (new, shard) in _STACKED.items():
+            if old in name:
+                return name.replace(old, new), shard
+        return name, None
+
+    def _shard(self, target: str, data: torch.Tensor, shard: str | int) -> torch.Tensor:
+        c = self.config
+        if isinstance(shard, int):
+            return data.narrow(0, shard * c.intermediate_size, c.intermediate_size)
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        return data.narrow(0, offset, size)
+
+    @staticmethod
+    def _expected_loads(params: dict[str, nn.Parameter]) -> set[str]:
+        expected = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected |= {f"{name}:q", f"{name}:k", f"{name}:v"}
+            elif ".gate_up_proj." in name:
+                expected |= {f"{name}:0", f"{name}:1"}
+            else:
+                expected.add(name)
+        return expected

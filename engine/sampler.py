@@ -1,0 +1,117 @@
+"""Turns the last-position logits of each sampling request into its next token.
+
+Order: penalties -> min_tokens masking -> (greedy argmax) | (temperature -> top-k ->
+top-p -> min-p -> sample). Logprobs are those of the raw model distribution, as vLLM
+reports them by default. A request with a seed draws from its own generator, so its
+tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request, TokenLogprobs
+from engine.scheduler import SampledToken
+
+_NEG_INF = float("-inf")
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        # logits: [N, V], one row per request
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties_and_masks(logits, requests)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            sampled = self._sample(logits[rows], [requests[i] for i in random_rows])
+            token_ids[rows] = sampled
+        out = []
+        for i, request in enumerate(requests):
+            token_id = int(token_ids[i])
+            logprobs = None
+            if raw_logprobs is not None and request.sampling_params.logprobs is not None:
+                logprobs = _token_logprobs(raw_logprobs[i], token_id, request.sampling_params.logprobs)
+            out.append(SampledToken(token_id, logprobs))
+        return out
+
+    @staticmethod
+    def _apply_penalties_and_masks(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        cloned = False
+        for i, request in enumerate(requests):
+            params = request.sampling_params
+            needs_min_tokens = request.num_output_tokens < params.min_tokens
+            if not (params.has_penalties or needs_min_tokens):
+                continue
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            row = logits[i]
+            if params.has_penalties:
+                _apply_penalties(row, request)
+            if needs_min_tokens:
+                banned = list(params.stop_token_ids)
+                if request.eos_token_id is not None and not params.ignore_eos:
+                    banned.append(request.eos_token_id)
+                if banned:
+                    row[torch.tensor(banned)] = _NEG_INF
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        # logits: [R, V] -> token ids [R]
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        logits = logits / temperature
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
+        logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if bool((min_p > 0).any()):
+            keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(keep, probs, 0.0)
+        # Exponential race (Gumbel-max in disguise): argmax(p / E) samples from p.
+        noise = torch.empty_like(probs)
+        for i, request in enumerate(requests):
+            noise[i].exponential_(generator=request.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+    params = request.sampling_params
+    vocab_size = row.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long)
+        seen = seen[seen < vocab_size]
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if request.output_token_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(request.output_token_ids), minlength=vocab_size)[:vocab_size]
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    mask = ranks >= top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the tokens before it already cover top_p; the first always stays.
+    mask = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
+
+
+def _token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    # logprobs: [V]
+    value = logprobs[token_id]
+    rank = int((logprobs > value).sum()) + 1
+    top: dict[int, float] = {}
+    if num_top > 0:
+        values, ids = logprobs.topk(num_top)
+        top = {int(t): float(v) for t, v in zip(ids, values, strict=True)}
+    return TokenLogprobs(token_id=token_id, logprob=float(value), rank=rank, top=top)

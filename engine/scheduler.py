@@ -1,0 +1,179 @@
+"""The scheduler: one rule, under a per-step token budget.
+
+Each request's `num_computed_tokens` catches up to its `num_tokens` (prompt + output).
+Chunked prefill (a prompt larger than the budget takes several steps), continuous
+batching (requests join and leave every step), prefix caching (a new request starts with
+its cached prefix already computed) and recompute-preemption (a victim drops its blocks
+and starts over from 0, reusing whatever prefix stayed cached) all follow from it.
+
+Running requests are served first, oldest first; when blocks run out the newest running
+request is preempted. Waiting requests are admitted FCFS while budget, seats and blocks last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestId, RequestStatus, TokenLogprobs
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """A request's progress after one step: the token it gained and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, max_model_len: int, kv: KVCacheManager) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = kv
+        self.requests: dict[RequestId, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._removed: set[RequestId] = set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        request.update_block_hashes(self.kv.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0
+            while not self.kv.allocate_slots(request, num_new):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new, is_new=False))
+                budget -= num_new
+                i += 1
+                continue
+            break
+        # Admitting new work right after a preemption would only thrash.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new, is_new=True))
+            budget -= num_new
+        removed, self._removed = frozenset(self._removed), set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            removed_request_ids=removed,
+        )
+
+    def _scheduled(self, request: Request, num_new: int, is_new: bool) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        table = self.kv.get_block_table(request.request_id)
+        if is_new:
+            new_block_ids = list(table)
+        else:
+            num_old_blocks = -(-start // self.kv.block_size)
+            new_block_ids = table[num_old_blocks:]
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            new_block_ids=new_block_ids,
+            is_new=is_new,
+            samples=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._removed.add(request.request_id)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[RequestId, SampledToken]
+    ) -> list[RequestUpdate]:
+        updates = []
+        for item in output.scheduled:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += len(item.token_ids)
+            if not item.samples:
+                continue
+            token = sampled[item.request_id]
+            request.append_output_token(token.token_id, token.logprobs)
+            request.update_block_hashes(self.kv.block_size)
+            status = self._check_stop(request)
+            if status is not None:
+                self.finish(request.request_id, status)
+            updates.append(RequestUpdate(request, [token.token_id], status is not None))
+        return updates
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def finish(self, request_id: RequestId, status: RequestStatus) -> Request | None:
+        """Finish a request (stop string, abort, ...) and free its blocks. Idempotent."""
+        assert status.is_finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._removed.add(request_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return request
