@@ -124,17 +124,25 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str, **options: Any) -> EngineConfig:
         """Flat vLLM-style options (`block_size=16, max_num_seqs=8`) to a validated config."""
-        section_of = {}
-        for name, section in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
-            for f in dataclasses.fields(section):
-                section_of[f.name] = name
-        nested: dict[str, Any] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
-        for key, value in options.items():
-            if key in section_of:
-                nested[section_of[key]][key] = value
-            else:
-                nested[key] = value
-        return cls.from_dict(nested)
+        return cls.from_dict(_nest({"model": model, **options}, {}))
+
+    def with_overrides(self, **options: Any) -> EngineConfig:
+        """A copy with flat options applied (same names as `from_kwargs`), validated."""
+        return EngineConfig.from_dict(_nest(options, dataclasses.asdict(self)))
+
+
+def _nest(options: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    section_of = {}
+    for name, section in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        for f in dataclasses.fields(section):
+            section_of[f.name] = name
+    nested: dict[str, Any] = {"model": {}, "cache": {}, "scheduler": {}, **base}
+    for key, value in options.items():
+        if key in section_of:
+            nested[section_of[key]] = {**nested[section_of[key]], key: value}
+        else:
+            nested[key] = value
+    return nested
 
 
 def _build(section: type, name: str, value: Any) -> Any:

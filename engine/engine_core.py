@@ -40,14 +40,17 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+        """`model`: weights already loaded for the same config.model (reused, not copied)."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.model.dtype, self.device)
         self.source: ModelSource = resolve(config.model)
-        self.model: CausalLM = load_model(self.source, self.dtype, self.device, config.model.seed)
+        if model is None:
+            model = load_model(self.source, self.dtype, self.device, config.model.seed)
+        self.model = model
         arch = self.model.config
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_id

@@ -40,6 +40,18 @@ class LLM:
     def from_config(cls, config: EngineConfig) -> LLM:
         return cls(config.model.model, config=config)
 
+    def derive(self, **options: Any) -> LLM:
+        """A new engine over the same weights and tokenizer, with other cache or scheduler
+        options (`llm.derive(num_blocks=64, max_num_batched_tokens=32)`)."""
+        config = self.core.config.with_overrides(**options)
+        if config.model != self.core.config.model or config.device != self.core.config.device:
+            raise ValueError("derive() keeps the model: change only cache, scheduler or thread options")
+        llm = object.__new__(LLM)
+        llm.core = EngineCore(config, model=self.core.model)
+        llm.tokenizer = self.tokenizer
+        llm._ids = itertools.count()
+        return llm
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
