@@ -119,6 +119,10 @@ class EngineConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         engine = data.get("engine", data)
+        if engine is None:
+            engine = {}
+        if not isinstance(engine, dict):
+            raise ConfigError(f"config file {path}: engine must be a mapping, got {type(engine).__name__}")
         return cls.from_dict(engine)
 
     @classmethod

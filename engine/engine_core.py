@@ -37,6 +37,7 @@ class EngineStats:
     num_free_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_preemptions: int
 
 
 class EngineCore:
@@ -96,6 +97,12 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        # The sampler indexes logits with these (min_tokens masking): refuse them here.
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return Request(
@@ -139,6 +146,7 @@ class EngineCore:
             num_free_blocks=self.kv.pool.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_stats.num_queries,
             prefix_cache_hits=self.kv.prefix_stats.num_hits,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
 

@@ -69,10 +69,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if messages and isinstance(messages[0], dict):
-            conversations = [messages]
-        else:
-            conversations = messages  # type: ignore[assignment]
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
         tokenizer = self._require_tokenizer()
         token_lists = [apply_chat_template(tokenizer, list(c)) for c in conversations]  # type: ignore[arg-type]
         prompts = [tokenizer.decode(ids) for ids in token_lists]
@@ -134,8 +132,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]  # type: ignore[list-item]
-    result = list(prompts)  # type: ignore[arg-type]
+        return [prompts]
+    result = list(prompts)
     if not result:
         raise InvalidRequestError("no prompts given: pass a string, a token id list, or a list of them")
     return result

@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._removed: set[RequestId] = set()
+        self.num_preemptions = 0  # since start, for stats
 
     @property
     def num_unfinished(self) -> int:
@@ -129,6 +130,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._removed.add(request.request_id)
 

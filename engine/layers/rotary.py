@@ -42,6 +42,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, llama3)")
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,10 +120,10 @@ def _rebuild_buffers(model: CausalLM, arch: ModelArchConfig, device: torch.devic
     with torch.device(device):
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
     for layer in model.model.layers:
-        layer.self_attn.rotary = rotary
+        layer.self_attn.rotary = rotary  # type: ignore[union-attr]
 
 
-def _safetensors_weights(path: Path):  # type: ignore[no-untyped-def]
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 

@@ -86,7 +86,7 @@ class DecoderModel(nn.Module):
 
 
 # HF checkpoint name -> (our parameter, shard): q/k/v and gate/up are fused here.
-_STACKED = {
+_STACKED: dict[str, tuple[str, str | int]] = {
     ".q_proj.": (".qkv_proj.", "q"),
     ".k_proj.": (".qkv_proj.", "k"),
     ".v_proj.": (".qkv_proj.", "v"),
