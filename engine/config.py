@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,7 @@ class EngineConfig:
             else:
                 kwargs[key] = value
         config = cls(**kwargs)
+        _check_types(config, "")
         config.validate()
         return config
 
@@ -159,3 +162,23 @@ def _build(section: type, name: str, value: Any) -> Any:
         if key not in valid:
             raise ConfigError(f"unknown key {name}.{key}; valid keys: {sorted(valid)}")
     return section(**value)
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    """Refuse a value of the wrong type (`max_num_seqs: "8"`) before validation compares it."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_types(value, f"{name}.")
+            continue
+        hint = hints[f.name]
+        is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        allowed = tuple(typing.get_origin(t) or t for t in (typing.get_args(hint) if is_union else (hint,)))
+        if float in allowed:
+            allowed += (int,)
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        if not ok:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ConfigError(f"{name}: {value!r} has type {type(value).__name__}; expected {names}")

@@ -56,6 +56,13 @@ class EngineCore:
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_id
         self.max_model_len = _max_model_len(config, arch.max_position_embeddings)
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}): raise it, lower max_model_len, "
+                "or enable chunked prefill"
+            )
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
         if num_blocks * block_size < self.max_model_len:

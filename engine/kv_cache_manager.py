@@ -49,10 +49,12 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        num_tokens = len(block_ids) * self.block_size
-        self.prefix_stats.num_queries += request.num_tokens
-        self.prefix_stats.num_hits += num_tokens
-        return block_ids, num_tokens
+        return block_ids, len(block_ids) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hits: int) -> None:
+        """Count one admitted request's lookup (not every attempt that found no room)."""
+        self.prefix_stats.num_queries += num_tokens
+        self.prefix_stats.num_hits += num_hits
 
     def allocate_slots(
         self,

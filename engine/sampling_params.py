@@ -44,7 +44,7 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0.0:
+        if not self.temperature >= 0.0:  # also refuses NaN
             raise bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")

