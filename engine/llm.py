@@ -116,6 +116,10 @@ class LLM:
             raise InvalidRequestError("this model has no tokenizer (dummy weights?): pass prompts as token id lists")
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing done) while requests hold blocks."""
+        return self.core.kv.pool.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -72,13 +72,22 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, pos // self.block_size] * self.block_size + pos % self.block_size
         q_lens = [len(i.token_ids) for i in output.scheduled]
         decode = [b for b, q in enumerate(q_lens) if q == 1]
+        decode_lens = torch.tensor([seq_lens[b] for b in decode], dtype=torch.long)
+        decode_max_len = max((seq_lens[b] for b in decode), default=0)
+        decode_mask = None
+        if decode and bool((decode_lens != decode_max_len).any()):
+            decode_mask = (torch.arange(decode_max_len)[None, :] < decode_lens[:, None])[:, None, None, :]
+            decode_mask = decode_mask.to(self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=block_tables.to(self.device),
             decode_seq_ids=torch.tensor(decode, dtype=torch.long, device=self.device),
-            decode_seq_lens=torch.tensor([seq_lens[b] for b in decode], dtype=torch.long, device=self.device),
+            decode_token_ids=torch.tensor([query_start_loc[b] for b in decode], dtype=torch.long, device=self.device),
+            decode_seq_lens=decode_lens.to(self.device),
+            decode_max_len=decode_max_len,
+            decode_mask=decode_mask,
             prefill_seq_ids=[b for b, q in enumerate(q_lens) if q > 1],
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)

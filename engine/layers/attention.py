@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import Rope
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
 
 
@@ -17,7 +17,6 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary: RotaryEmbedding,
         qkv_bias: bool,
         qk_norm_eps: float | None,
     ) -> None:
@@ -30,14 +29,13 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
-        self.rotary = rotary
         # Qwen3 normalises each head of q and k before the rotation.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -50,7 +48,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = rope.apply(q, k)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        o = paged_attention(q, kv_cache, meta, self.scale)  # [T, Hq, D]
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))

@@ -118,9 +118,9 @@ def _rebuild_buffers(model: CausalLM, arch: ModelArchConfig, device: torch.devic
     from engine.layers.rotary import RotaryEmbedding
 
     with torch.device(device):
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
-    for layer in model.model.layers:
-        layer.self_attn.rotary = rotary  # type: ignore[union-attr]
+        model.model.rotary = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
 
 
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.layers.attention import Attention
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models.config import ModelArchConfig
 from kernels import AttentionMetadata
 
@@ -31,14 +31,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.self_attn = Attention(
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
-            rotary,
             qkv_bias=config.attention_bias,
             qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
         )
@@ -48,14 +47,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -64,10 +63,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -79,8 +78,9 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, D]
         residual = None
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
