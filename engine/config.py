@@ -82,6 +82,9 @@ class EngineConfig:
     role: str = "colocated"
     # torch intra-op threads; several engine processes share a machine's cores.
     num_threads: int | None = None
+    # On GPU, decode steps replay CUDA graphs captured for batch sizes up to max_num_seqs;
+    # True runs every step eagerly (debugging, or to save the capture time).
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         self.model.validate()

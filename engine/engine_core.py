@@ -73,7 +73,10 @@ class EngineCore:
             )
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
+        graph_batch = 0 if config.enforce_eager else config.scheduler.max_num_seqs
+        self.runner = ModelRunner(
+            self.model, num_blocks, block_size, self.max_model_len, self.device, self.dtype, graph_batch
+        )
         self.sampler = Sampler()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens",
                     arch.architecture, self.device, self.dtype, num_blocks, block_size)

@@ -1,16 +1,19 @@
 """Runs the model on one scheduled step: builds the flattened varlen batch (token ids,
-positions, slot mapping, block tables), runs the forward pass, and returns the logits of
-the requests that sample this step. Holds the KV cache tensors and each request's block
-table, updated from the scheduler's deltas."""
+positions, slot mapping, block tables), runs the forward pass (a captured CUDA graph for
+decode-only steps on GPU), and returns the logits of the requests that sample this step.
+Holds the KV cache tensors and each request's block table, updated from the scheduler's
+deltas."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.cuda_graphs import CudaGraphRunner
 from engine.models import CausalLM
 from engine.request import RequestId
 from engine.scheduler_output import SchedulerOutput
 from kernels import AttentionMetadata
+from kernels.torch_ops import make_plan
 
 
 def kv_cache_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -21,17 +24,29 @@ def kv_cache_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         c = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
         # One tensor per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]. Zeroed, so
         # masked-out slots never feed NaN into attention.
         shape = (num_blocks, 2, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
         self.block_tables: dict[RequestId, list[int]] = {}
+        self.graphs: CudaGraphRunner | None = None
+        if device.type == "cuda" and cuda_graph_max_batch > 0:
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = CudaGraphRunner(model, self.kv_caches, cuda_graph_max_batch, max_blocks, max_model_len)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> tuple[list[RequestId], torch.Tensor]:
@@ -43,14 +58,22 @@ class ModelRunner:
                 self.block_tables[item.request_id] = list(item.new_block_ids)
             else:
                 self.block_tables[item.request_id].extend(item.new_block_ids)
-        input_ids, positions, meta = self._prepare(output)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, D]
         sample_ids = [item.request_id for item in output.scheduled if item.samples]
-        last = [meta.query_start_loc[b + 1] - 1 for b, item in enumerate(output.scheduled) if item.samples]
-        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device, dtype=torch.long)])
-        return sample_ids, logits
+        token_ids, positions, query_start_loc, seq_lens, tables = self._flatten(output)
+        num_seqs = len(seq_lens)
+        if self.graphs is not None and len(token_ids) == num_seqs and self.graphs.fits(num_seqs):
+            # Decode-only: every sequence has one new token, and every one samples.
+            slots = [t[p // self.block_size] * self.block_size + p % self.block_size for t, p in zip(tables, positions, strict=True)]
+            return sample_ids, self.graphs.run(token_ids, positions, slots, tables, seq_lens)
+        input_ids, pos, meta = self._prepare(token_ids, positions, query_start_loc, seq_lens, tables)
+        hidden = self.model(input_ids, pos, self.kv_caches, meta)  # [T, D]
+        last = [query_start_loc[b + 1] - 1 for b, item in enumerate(output.scheduled) if item.samples]
+        last_ids = torch.tensor(last, dtype=torch.long, device=self.device)
+        return sample_ids, self.model.compute_logits(hidden[last_ids])
 
-    def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _flatten(
+        self, output: SchedulerOutput
+    ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
         token_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
@@ -63,32 +86,31 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(item.num_computed_tokens + num_new)
             tables.append(self.block_tables[item.request_id])
+        return token_ids, positions, query_start_loc, seq_lens, tables
+
+    def _prepare(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(tables)), torch.tensor([len(i.token_ids) for i in output.scheduled])
-        )
-        slot_mapping = block_tables[seq_index, pos // self.block_size] * self.block_size + pos % self.block_size
-        q_lens = [len(i.token_ids) for i in output.scheduled]
-        decode = [b for b, q in enumerate(q_lens) if q == 1]
-        decode_lens = torch.tensor([seq_lens[b] for b in decode], dtype=torch.long)
-        decode_max_len = max((seq_lens[b] for b in decode), default=0)
-        decode_mask = None
-        if decode and bool((decode_lens != decode_max_len).any()):
-            decode_mask = (torch.arange(decode_max_len)[None, :] < decode_lens[:, None])[:, None, None, :]
-            decode_mask = decode_mask.to(self.device)
+        q_lens = torch.tensor([query_start_loc[b + 1] - query_start_loc[b] for b in range(len(seq_lens))])
+        seq_index = torch.repeat_interleave(torch.arange(len(tables)), q_lens)
+        slot_mapping = block_tables[seq_index, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        on_cpu = self.device.type == "cpu"
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables.to(self.device),
-            decode_seq_ids=torch.tensor(decode, dtype=torch.long, device=self.device),
-            decode_token_ids=torch.tensor([query_start_loc[b] for b in decode], dtype=torch.long, device=self.device),
-            decode_seq_lens=decode_lens.to(self.device),
-            decode_max_len=decode_max_len,
-            decode_mask=decode_mask,
-            prefill_seq_ids=[b for b, q in enumerate(q_lens) if q > 1],
+            slot_mapping=slot_mapping.to(self.device, non_blocking=True),
+            block_tables=block_tables.to(self.device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(self.device, non_blocking=True),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=max(seq_lens),
+            cpu_plan=make_plan(query_start_loc, seq_lens) if on_cpu else None,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return input_ids, pos.to(self.device), meta
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        return input_ids, pos.to(self.device, non_blocking=True), meta

@@ -99,13 +99,24 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building all_token_ids (a per-step hot path)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     def update_block_hashes(self, block_size: int) -> None:
         """Extend `block_hashes` over every full block of the known tokens."""
+        num_hashed = len(self.block_hashes)
+        if self.num_tokens // block_size <= num_hashed:
+            return
         parent = self.block_hashes[-1] if self.block_hashes else None
-        tokens = self.all_token_ids
-        self.block_hashes += hash_block_tokens(
-            tokens, block_size, self.extra_keys, parent, start_block=len(self.block_hashes)
-        )
+        start = num_hashed * block_size
+        tokens = self.token_slice(start, self.num_tokens)
+        self.block_hashes += hash_block_tokens(tokens, block_size, self.extra_keys, parent)
 
     def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         self.output_token_ids.append(token_id)

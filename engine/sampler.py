@@ -19,6 +19,8 @@ _NEG_INF = float("-inf")
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         # logits: [N, V], one row per request
+        if all(_is_plain_greedy(r) for r in requests):
+            return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
@@ -27,12 +29,13 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=logits.device)
             sampled = self._sample(logits[rows], [requests[i] for i in random_rows])
             token_ids[rows] = sampled
+        token_list = token_ids.tolist()  # the step's one device-to-host sync
         out = []
         for i, request in enumerate(requests):
-            token_id = int(token_ids[i])
+            token_id = token_list[i]
             logprobs = None
             if raw_logprobs is not None and request.sampling_params.logprobs is not None:
                 logprobs = _token_logprobs(raw_logprobs[i], token_id, request.sampling_params.logprobs)
@@ -57,46 +60,59 @@ class Sampler:
                 if request.eos_token_id is not None and not params.ignore_eos:
                     banned.append(request.eos_token_id)
                 if banned:
-                    row[torch.tensor(banned)] = _NEG_INF
+                    row[torch.tensor(banned, device=row.device)] = _NEG_INF
         return logits
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # logits: [R, V] -> token ids [R]
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         logits = logits / temperature
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
-        min_p = torch.tensor([p.min_p for p in params])
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         logits = _top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
         if bool((min_p > 0).any()):
             keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, 0.0)
-        # Exponential race (Gumbel-max in disguise): argmax(p / E) samples from p.
-        noise = torch.empty_like(probs)
+        # Exponential race (Gumbel-max in disguise): argmax(p / E) samples from p. The noise
+        # comes from each request's CPU generator, so a seed gives the same draws on any device.
+        noise = torch.empty(probs.shape)
         for i, request in enumerate(requests):
             noise[i].exponential_(generator=request.generator)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise.to(device)).argmax(dim=-1)
+
+
+def _is_plain_greedy(request: Request) -> bool:
+    params = request.sampling_params
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.has_penalties
+        and request.num_output_tokens >= params.min_tokens
+    )
 
 
 def _apply_penalties(row: torch.Tensor, request: Request) -> None:
     params = request.sampling_params
     vocab_size = row.shape[0]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
         seen = seen[seen < vocab_size]
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if request.output_token_ids and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(request.output_token_ids), minlength=vocab_size)[:vocab_size]
+        output_ids = torch.tensor(request.output_token_ids, device=row.device)
+        counts = torch.bincount(output_ids, minlength=vocab_size)[:vocab_size]
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     mask = ranks >= top_k.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(mask, _NEG_INF)
     probs = sorted_logits.softmax(dim=-1)

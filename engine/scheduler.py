@@ -120,7 +120,7 @@ class Scheduler:
             new_block_ids = table[num_old_blocks:]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.token_slice(start, start + num_new),
             num_computed_tokens=start,
             new_block_ids=new_block_ids,
             is_new=is_new,

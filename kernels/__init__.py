@@ -1,10 +1,92 @@
-"""Attention and fused hot-path kernels.
+"""Attention and fused hot-path kernels, each behind one dispatch point.
 
-Each op has a torch reference (`kernels/reference/`) and one dispatch point here: the
-engine calls only these functions. On CPU they run the reference; the Triton kernels of
-the GPU issue plug in behind the same signatures.
+The engine calls only the functions below. On CUDA tensors they run the Triton kernels
+(`triton_*.py`); elsewhere the torch path (`torch_ops.py`). `reference.py` holds the
+plain definitions both are tested against.
 """
 
-from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from __future__ import annotations
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv_cache"]
+import torch
+
+from kernels import torch_ops
+from kernels.metadata import AttentionMetadata
+
+__all__ = [
+    "AttentionMetadata",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv_cache",
+]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's context in the paged cache.
+
+    query: [T, Hq, D]; key, value: [T, Hkv, D], already written to kv_cache -> [T, Hq, D].
+    """
+    if not query.is_cuda:
+        return torch_ops.paged_attention(query, key, value, kv_cache, meta, scale)
+    if meta.is_decode_only:
+        from kernels.triton_decode_attention import decode_attention
+
+        return decode_attention(
+            query, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len
+        )
+    from kernels.triton_prefill_attention import prefill_attention
+
+    return prefill_attention(
+        query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+        max_query_len=meta.max_query_len,
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key, value: [T, Hkv, D] into the slots of slot_mapping [T]; slot -1 writes nothing."""
+    if not key.is_cuda:
+        return torch_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
+    from kernels import triton_ops
+
+    triton_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + residual), x + residual); x: [T, D]."""
+    if not x.is_cuda:
+        return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
+    from kernels import triton_ops
+
+    return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary; q: [T, Hq, D], k: [T, Hkv, D], cos/sin: [T, D/2] fp32."""
+    if not q.is_cuda:
+        return torch_ops.rotary_embedding(q, k, cos, sin)
+    from kernels import triton_ops
+
+    return triton_ops.rotary_embedding(q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+    if not x.is_cuda:
+        return torch_ops.silu_and_mul(x)
+    from kernels import triton_ops
+
+    return triton_ops.silu_and_mul(x)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels import fused_add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,20 +14,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in fp32, scale in the model dtype (as HF does).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); x: [T, D]."""
-        if residual is not None:
-            x = x + residual
-        return self._norm(x), x
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x)
+        """Normalise the last dim of any shape (Qwen3's per-head q/k norm: [T, H, D])."""
+        shape = x.shape
+        out, _ = fused_add_rms_norm(x.reshape(-1, shape[-1]), None, self.weight, self.eps)
+        return out.view(shape)

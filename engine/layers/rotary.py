@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from kernels import rotary_embedding
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
@@ -49,19 +51,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> Rope:
         """The rotation for these positions ([T]), computed once per step for all layers."""
-        return Rope(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D/2]
+        return Rope(self.cos[positions], self.sin[positions])
 
 
 class Rope(NamedTuple):
-    cos: torch.Tensor  # [T, 1, D/2]
+    cos: torch.Tensor  # [T, D/2] fp32
     sin: torch.Tensor
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D]; k: [T, Hkv, D]
-        return _rotate(q, self.cos, self.sin), _rotate(k, self.cos, self.sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        return rotary_embedding(q, k, self.cos, self.sin)

@@ -8,14 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import Attention
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models.config import ModelArchConfig
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, silu_and_mul
 
 
 class MLP(nn.Module):
@@ -26,8 +25,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

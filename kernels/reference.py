@@ -1,0 +1,115 @@
+"""Torch references for every kernel: the definition each Triton kernel is tested against.
+
+Written for clarity, not speed (loops over sequences). Shapes:
+  kv_cache      [num_blocks, 2, block_size, num_kv_heads, head_dim]  (one layer)
+  block_tables  [B, max_num_blocks] int32, padded with anything
+  seq_lens      [B] int32: context length after this step (0 = padding, output zeros)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _context(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[table[:num_blocks].long()]  # [nb, 2, BS, Hkv, D]
+    k = blocks[:, 0].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+    v = blocks[:, 1].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [Q, Hq, D] at the last Q positions of a context k, v: [L, Hkv, D]; causal; fp32 math."""
+    num_q, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Q, L]
+    q_pos = torch.arange(seq_len - num_q, seq_len)[:, None]
+    mask = torch.arange(seq_len)[None, :] <= q_pos  # [Q, L]
+    scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, Hq, D], one new token per sequence -> [B, Hq, D]."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        seq_len = int(seq_lens[b])
+        if seq_len > 0:
+            k, v = _context(kv_cache, block_tables[b], seq_len)
+            out[b] = _attend(q[b : b + 1], k, v, scale)[0]
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D], a varlen batch; sequence b owns q[loc[b]:loc[b+1]], the last tokens of
+    its seq_lens[b]-long context (a cached prefix may come first) -> [T, Hq, D]."""
+    out = torch.zeros_like(q)
+    for b in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if end > start:
+            k, v = _context(kv_cache, block_tables[b], int(seq_lens[b]))
+            out[start:end] = _attend(q[start:end], k, v, scale)
+    return out
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key, value: [T, Hkv, D] into kv_cache at slot_mapping [T] (block * block_size + offset);
+    a negative slot (a padding token) writes nothing."""
+    block_size = kv_cache.shape[2]
+    for t in range(key.shape[0]):
+        slot = int(slot_mapping[t])
+        if slot >= 0:
+            kv_cache[slot // block_size, 0, slot % block_size] = key[t]
+            kv_cache[slot // block_size, 1, slot % block_size] = value[t]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weight * rms_norm(x + residual), x + residual); x: [T, D]. Normalises in fp32,
+    scales in x's dtype, as HF transformers does."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), x
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (NeoX/HF) rotary: q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2] fp32
+    (any scaling, llama3 included, is already in the tables)."""
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

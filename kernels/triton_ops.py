@@ -1,0 +1,332 @@
+"""Triton kernels for the non-attention hot path: KV cache write, fused add + RMS norm,
+rotary embedding, SiLU-and-mul.
+
+Each wrapper has the signature and semantics of the same-named function in
+`kernels/reference.py`, which is its definition in the tests. The wrappers read only shapes,
+strides and dtypes, never tensor values, so they launch without a host sync and can be
+captured in a CUDA graph. Row offsets are computed in int64: a KV cache or an activation
+can hold more than 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    key_stride_t,
+    key_stride_h,
+    key_stride_d,
+    value_stride_t,
+    value_stride_h,
+    value_stride_d,
+    cache_stride_block,
+    cache_stride_kv,
+    cache_stride_offset,
+    cache_stride_h,
+    cache_stride_d,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding token
+        return
+    block_id = slot // BLOCK_SIZE
+    block_offset = slot % BLOCK_SIZE
+
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    key = tl.load(key_ptr + token * key_stride_t + h * key_stride_h + d * key_stride_d, mask=mask)
+    value = tl.load(
+        value_ptr + token * value_stride_t + h * value_stride_h + d * value_stride_d, mask=mask
+    )
+
+    dst = (
+        cache_ptr
+        + block_id * cache_stride_block
+        + block_offset * cache_stride_offset
+        + h * cache_stride_h
+        + d * cache_stride_d
+    )
+    element_ty = cache_ptr.dtype.element_ty
+    tl.store(dst, key.to(element_ty), mask=mask)
+    tl.store(dst + cache_stride_kv, value.to(element_ty), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key, value: [T, Hkv, D] into kv_cache [NB, 2, BS, Hkv, D] at slot_mapping [T]
+    (int32 or int64, block * BS + offset), in place; a negative slot writes nothing."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2
+    assert kv_cache.shape[3:] == (num_kv_heads, head_dim), "kv_cache heads/head_dim != key's"
+    assert slot_mapping.shape == (num_tokens,)
+    assert slot_mapping.dtype in (torch.int32, torch.int64)
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *kv_cache.stride(),
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    new_residual_stride,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        # The sum is rounded to x's dtype before it is normalised, as in the reference.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * new_residual_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean_square = tl.sum(xf * xf, axis=0) / hidden_size
+    normed = (xf * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, D] -> (weight * rms_norm(x + residual), x + residual). Without a
+    residual the second output is x itself, as in the reference."""
+    hidden_size = x.shape[-1]
+    assert weight.shape == (hidden_size,), f"weight {tuple(weight.shape)} != ({hidden_size},)"
+    assert residual is None or residual.shape == x.shape
+    x2d = x.reshape(-1, hidden_size)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = torch.empty(
+        x2d.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
+    )  # [T, D]
+    if residual is None:
+        res2d, new_residual = x2d, x2d
+    else:
+        res2d = residual.reshape(-1, hidden_size)
+        if res2d.stride(-1) != 1:
+            res2d = res2d.contiguous()
+        new_residual = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+    num_rows = x2d.shape[0]
+    if num_rows > 0:
+        block = triton.next_power_of_2(hidden_size)
+        _fused_add_rms_norm_kernel[(num_rows,)](
+            x2d,
+            res2d,
+            weight.contiguous(),
+            out,
+            new_residual,
+            x2d.stride(0),
+            res2d.stride(0),
+            out.stride(0),
+            new_residual.stride(0),
+            hidden_size,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(max(block // 512, 1), 16),
+        )
+    new_residual = x if residual is None else new_residual.view(x.shape)
+    return out.view(x.shape), new_residual
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,
+    dst_ptr,
+    stride_h,
+    stride_d,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Rotates the heads of one token: src [H, 2*HALF] (strided) -> dst [H, 2*HALF] contiguous."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (d < HALF)
+    src = src_ptr + h * stride_h + d * stride_d
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + h * (2 * HALF) + d
+    element_ty = dst_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_embedding_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_stride_t,
+    q_stride_h,
+    q_stride_d,
+    k_stride_t,
+    k_stride_h,
+    k_stride_d,
+    cos_stride_t,
+    cos_stride_d,
+    sin_stride_t,
+    sin_stride_d,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + token * cos_stride_t + d * cos_stride_d, mask=d < HALF, other=0.0)
+    sin = tl.load(sin_ptr + token * sin_stride_t + d * sin_stride_d, mask=d < HALF, other=0.0)
+    cos = cos.to(tl.float32)
+    sin = sin.to(tl.float32)
+    _rotate_heads(
+        q_ptr + token * q_stride_t,
+        q_out_ptr + token * (num_q_heads * 2 * HALF),
+        q_stride_h,
+        q_stride_d,
+        num_q_heads,
+        cos,
+        sin,
+        HALF,
+        BLOCK_HQ,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        k_ptr + token * k_stride_t,
+        k_out_ptr + token * (num_kv_heads * 2 * HALF),
+        k_stride_h,
+        k_stride_d,
+        num_kv_heads,
+        cos,
+        sin,
+        HALF,
+        BLOCK_HKV,
+        BLOCK_HALF,
+    )
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary: q [T, Hq, D], k [T, Hkv, D] (any strides, e.g. views of a fused qkv
+    projection), cos/sin [T, D/2] (or [T, 1, D/2]) -> new contiguous q, k in their dtypes."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim), "q and k disagree on T or D"
+    assert head_dim % 2 == 0, f"head_dim {head_dim} must be even for rotate-half rotary"
+    half = head_dim // 2
+    cos = cos.reshape(num_tokens, half)  # [T, D/2]
+    sin = sin.reshape(num_tokens, half)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    _rotary_embedding_kernel[(num_tokens,)](
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        *q.stride(),
+        *k.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        num_q_heads,
+        num_kv_heads,
+        HALF=half,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    x_stride,
+    out_stride,
+    intermediate_size,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate_size
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + intermediate_size + cols, mask=mask, other=0.0)
+    element_ty = out_ptr.dtype.element_ty
+    # silu(gate) is rounded to the activation dtype before the product, as in the reference
+    # (and HF transformers); a no-op in fp32.
+    silu = (gate / (1.0 + tl.exp(-gate))).to(element_ty)
+    out = silu.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, out.to(element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+    assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} must be even ([gate | up])"
+    intermediate_size = x.shape[-1] // 2
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = torch.empty((x2d.shape[0], intermediate_size), dtype=x.dtype, device=x.device)
+    if x2d.shape[0] > 0:
+        block = min(triton.next_power_of_2(intermediate_size), 1024)
+        grid = (x2d.shape[0], triton.cdiv(intermediate_size, block))
+        _silu_and_mul_kernel[grid](
+            x2d, out, x2d.stride(0), out.stride(0), intermediate_size, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], intermediate_size)
