@@ -1,15 +1,27 @@
 """The engine core every instance runs: requests in, one step at a time, token updates out.
 
 step(): scheduler.schedule() -> model_runner.execute() -> sampler -> scheduler.update_from_output().
-A bad request is refused in `add_request` with an InvalidRequestError; it never reaches
+A bad request is refused in `make_request` with an InvalidRequestError; it never reaches
 the loop, so the engine keeps serving.
+
+Roles:
+  colocated  requests in, tokens out.
+  prefill    a request carries a KVPush; it stops after its first token. In the step that
+             completes its prompt, each layer's blocks are pushed as soon as that layer is
+             computed; the step ends only when every push is confirmed, so its blocks are
+             never reused under a send in flight.
+  decode     `reserve` holds blocks for a prompt (TRANSFERRING), `land` starts decoding
+             from the first token once the prefill's KV is in them, or computes the prompt
+             here when the hand-off failed. Reservations not landed by their lease expire.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,6 +35,7 @@ from engine.request import Request, RequestId, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate, SampledToken, Scheduler
+from engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +51,20 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_transferring: int = 0
+    num_total_blocks: int = 0
+
+
+class KVPush(Protocol):
+    """Where a prefill request's KV goes: the decode's reserved blocks, one layer at a time."""
+
+    num_skip_blocks: int  # leading prompt blocks the decode side already holds
+
+    def push_layer(self, layer: int, src_block_ids: list[int]) -> None:
+        """Queue layer `layer` of these blocks (prompt blocks from num_skip_blocks on)."""
+
+    def finish(self) -> None:
+        """Block until every queued layer is sent (or failed; the push records which)."""
 
 
 class EngineCore:
@@ -78,6 +105,9 @@ class EngineCore:
             self.model, num_blocks, block_size, self.max_model_len, self.device, self.dtype, graph_batch
         )
         self.sampler = Sampler()
+        self.role = config.role
+        self._pushes: dict[RequestId, KVPush] = {}  # prefill role
+        self._lease_deadlines: dict[RequestId, float] = {}  # decode role, monotonic seconds
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens",
                     arch.architecture, self.device, self.dtype, num_blocks, block_size)
 
@@ -124,11 +154,47 @@ class EngineCore:
             extra_keys=extra_keys,
         )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, kv_push: KVPush | None = None) -> None:
+        if self.role == "prefill":
+            assert kv_push is not None, "a prefill-role request needs a KVPush"
+            request.max_tokens = 1
+            self._pushes[request.request_id] = kv_push
         self.scheduler.add_request(request)
 
+    def reserve(self, request: Request, lease_s: float) -> list[int] | None:
+        """Decode role: the prompt's block ids (cached ones first), or None when they don't fit."""
+        assert self.role == "decode", "reserve() is for the decode role"
+        if not self.scheduler.reserve(request):
+            return None
+        self._lease_deadlines[request.request_id] = time.monotonic() + lease_s
+        return list(self.kv.get_block_table(request.request_id))
+
+    def land(self, request_id: str, first_token: SampledToken | None) -> RequestUpdate | None:
+        """Decode role: see Scheduler.land. The request's lease ends here."""
+        rid = RequestId(request_id)
+        self._lease_deadlines.pop(rid, None)
+        request = self.scheduler.transferring[rid]
+        if first_token is not None and request.generator is not None and not request.sampling_params.is_greedy:
+            # The prefill drew this token's sampling noise; keep the seeded stream aligned.
+            torch.empty(self.vocab_size).exponential_(generator=request.generator)
+        return self.scheduler.land(rid, first_token)
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Decode role: abort reservations whose KV never arrived in time; returns their ids."""
+        now = time.monotonic() if now is None else now
+        expired: list[str] = [rid for rid, deadline in self._lease_deadlines.items() if deadline <= now]
+        for rid in expired:
+            self.abort(rid)
+        return expired
+
+    def is_transferring(self, request_id: str) -> bool:
+        return RequestId(request_id) in self.scheduler.transferring
+
     def abort(self, request_id: str) -> Request | None:
-        return self.scheduler.finish(RequestId(request_id), RequestStatus.FINISHED_ABORTED)
+        rid = RequestId(request_id)
+        self._pushes.pop(rid, None)
+        self._lease_deadlines.pop(rid, None)
+        return self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
 
     def finish_stopped(self, request_id: str, stop: str) -> None:
         request = self.scheduler.finish(RequestId(request_id), RequestStatus.FINISHED_STOPPED)
@@ -142,11 +208,36 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        request_ids, logits = self.runner.execute(scheduler_output)
+        pushes = self._layer_pushes(scheduler_output) if self._pushes else []
+        after_layer = None
+        if pushes:
+            def after_layer(layer: int) -> None:
+                for push, src_block_ids in pushes:
+                    push.push_layer(layer, src_block_ids)
+
+        request_ids, logits = self.runner.execute(scheduler_output, after_layer)
         requests = [self.scheduler.requests[r] for r in request_ids]
         tokens = self.sampler(logits, requests)
         sampled: dict[RequestId, SampledToken] = dict(zip(request_ids, tokens, strict=True))
-        return self.scheduler.update_from_output(scheduler_output, sampled)
+        updates = self.scheduler.update_from_output(scheduler_output, sampled)
+        for push, _ in pushes:
+            push.finish()  # before any later step can reuse the freed blocks
+        return updates
+
+    def _layer_pushes(self, output: SchedulerOutput) -> list[tuple[KVPush, list[int]]]:
+        """The prefill requests whose prompt completes this step, with the blocks to push."""
+        pushes = []
+        for item in output.scheduled:
+            push = self._pushes.get(item.request_id) if item.samples else None
+            if push is None:
+                continue
+            del self._pushes[item.request_id]
+            request = self.scheduler.requests[item.request_id]
+            num_prompt_blocks = -(-request.num_prompt_tokens // self.kv.block_size)
+            table = self.kv.get_block_table(item.request_id)
+            src_block_ids = [int(b) for b in table[push.num_skip_blocks : num_prompt_blocks]]
+            pushes.append((push, src_block_ids))
+        return pushes
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -157,6 +248,8 @@ class EngineCore:
             prefix_cache_queries=self.kv.prefix_stats.num_queries,
             prefix_cache_hits=self.kv.prefix_stats.num_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_transferring=len(self.scheduler.transferring),
+            num_total_blocks=self.kv.pool.num_blocks,
         )
 
 

@@ -61,8 +61,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[BlockId] | None = None,
+        cache: bool = True,
     ) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out."""
+        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out.
+
+        `cache=False` leaves the new full blocks out of the prefix cache for now: a decode
+        reservation's blocks hold nothing until the prefill's KV lands in them."""
         new_computed_blocks = new_computed_blocks or []
         table = self.block_tables.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -78,7 +82,8 @@ class KVCacheManager:
         table.extend(new_computed_blocks)
         if num_new_blocks > 0:
             table.extend(self.pool.allocate(num_new_blocks))
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if cache:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
         return True
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -6,6 +6,8 @@ deltas."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.cuda_graphs import CudaGraphRunner
@@ -49,8 +51,13 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(model, self.kv_caches, cuda_graph_max_batch, max_blocks, max_model_len)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> tuple[list[RequestId], torch.Tensor]:
-        """Returns (ids of the requests that sample, their logits [N, V])."""
+    def execute(
+        self, output: SchedulerOutput, after_layer: Callable[[int], None] | None = None
+    ) -> tuple[list[RequestId], torch.Tensor]:
+        """Returns (ids of the requests that sample, their logits [N, V]).
+
+        `after_layer(i)` runs once layer i's KV is written (eager path only: a graph replay
+        has no point to stop at between layers)."""
         for request_id in output.removed_request_ids:
             self.block_tables.pop(request_id, None)
         for item in output.scheduled:
@@ -61,12 +68,14 @@ class ModelRunner:
         sample_ids = [item.request_id for item in output.scheduled if item.samples]
         token_ids, positions, query_start_loc, seq_lens, tables = self._flatten(output)
         num_seqs = len(seq_lens)
-        if self.graphs is not None and len(token_ids) == num_seqs and self.graphs.fits(num_seqs):
+        use_graph = self.graphs is not None and after_layer is None and self.graphs.fits(num_seqs)
+        if use_graph and len(token_ids) == num_seqs:
+            assert self.graphs is not None
             # Decode-only: every sequence has one new token, and every one samples.
             slots = [t[p // self.block_size] * self.block_size + p % self.block_size for t, p in zip(tables, positions, strict=True)]
             return sample_ids, self.graphs.run(token_ids, positions, slots, tables, seq_lens)
         input_ids, pos, meta = self._prepare(token_ids, positions, query_start_loc, seq_lens, tables)
-        hidden = self.model(input_ids, pos, self.kv_caches, meta)  # [T, D]
+        hidden = self.model(input_ids, pos, self.kv_caches, meta, after_layer)  # [T, D]
         last = [query_start_loc[b + 1] - 1 for b, item in enumerate(output.scheduled) if item.samples]
         last_ids = torch.tensor(last, dtype=torch.long, device=self.device)
         return sample_ids, self.model.compute_logits(hidden[last_ids])

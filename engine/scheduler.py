@@ -8,6 +8,11 @@ and starts over from 0, reusing whatever prefix stayed cached) all follow from i
 
 Running requests are served first, oldest first; when blocks run out the newest running
 request is preempted. Waiting requests are admitted FCFS while budget, seats and blocks last.
+
+Decode role: `reserve` matches the prompt against the prefix cache and allocates blocks
+for the rest (TRANSFERRING: the blocks are not cached, they hold nothing yet); `land`
+turns it into a WAITING request whose prompt is already computed, at the head of the
+queue, with the first token from prefill appended. From there the one rule applies.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
+from engine.block_pool import BlockId
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus, TokenLogprobs
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -45,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._removed: set[RequestId] = set()
+        self.transferring: dict[RequestId, Request] = {}  # decode role: reserved, KV in flight
         self.num_preemptions = 0  # since start, for stats
 
     @property
@@ -52,6 +59,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_unfinished(self) -> bool:
+        """Work to step on (TRANSFERRING requests wait for their KV, not for a step)."""
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
@@ -59,6 +67,46 @@ class Scheduler:
         request.update_block_hashes(self.kv.block_size)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def reserve(self, request: Request) -> bool:
+        """Decode role: hold blocks for the whole prompt; False (no change) if they don't fit.
+
+        Afterwards `request.num_cached_tokens` tokens (whole blocks) are already here; the
+        rest of `kv.get_block_table(request_id)` waits for the prefill's KV."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        request.update_block_hashes(self.kv.block_size)
+        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        num_new = request.num_prompt_tokens - num_cached
+        if not self.kv.allocate_slots(request, num_new, computed_blocks, cache=False):
+            return False
+        if self.kv.enable_caching:
+            self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
+        request.status = RequestStatus.TRANSFERRING
+        request.num_cached_tokens = num_cached
+        self.requests[request.request_id] = request
+        self.transferring[request.request_id] = request
+        return True
+
+    def land(self, request_id: RequestId, first_token: SampledToken | None) -> RequestUpdate | None:
+        """Decode role: the reserved request's KV has landed (`first_token` given) or will
+        not (None: drop the reservation and compute the prompt here). Returns the first
+        token's update, finished if that token already ends the request."""
+        request = self.transferring.pop(request_id)
+        if first_token is None:
+            self.kv.free(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.append_output_token(first_token.token_id, first_token.logprobs)
+        request.update_block_hashes(self.kv.block_size)
+        status = self._check_stop(request)
+        if status is not None:
+            self.finish(request_id, status)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)  # it holds its blocks: let it run first
+        return RequestUpdate(request, [first_token.token_id], status is not None)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -86,7 +134,12 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            landed = request.num_computed_tokens > 0  # decode role: its KV came from prefill
+            computed_blocks: list[BlockId]
+            if landed:
+                computed_blocks, num_cached = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -94,7 +147,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
-            if self.kv.enable_caching:
+            if self.kv.enable_caching and not landed:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
@@ -180,6 +233,7 @@ class Scheduler:
             self._removed.add(request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.transferring.pop(request_id, None)
         request.status = status
         self.kv.free(request)
         return request

@@ -5,7 +5,7 @@ through the paged KV cache. No distributed code here: parallelism is applied fro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -73,12 +73,16 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """`after_layer(i)` runs once layer i has written its KV (the prefill role pushes it)."""
         x = self.embed_tokens(input_ids)  # [T, D]
         residual = None
         rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(rope, x, residual, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         x, _ = self.norm(x, residual)
         return x
 
@@ -112,8 +116,9 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, after_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
