@@ -155,6 +155,7 @@ class EngineCore:
         )
 
     def add_request(self, request: Request, kv_push: KVPush | None = None) -> None:
+        self._check_new_id(request)
         if self.role == "prefill":
             assert kv_push is not None, "a prefill-role request needs a KVPush"
             request.max_tokens = 1
@@ -164,10 +165,17 @@ class EngineCore:
     def reserve(self, request: Request, lease_s: float) -> list[int] | None:
         """Decode role: the prompt's block ids (cached ones first), or None when they don't fit."""
         assert self.role == "decode", "reserve() is for the decode role"
+        self._check_new_id(request)
         if not self.scheduler.reserve(request):
             return None
         self._lease_deadlines[request.request_id] = time.monotonic() + lease_s
         return list(self.kv.get_block_table(request.request_id))
+
+    def _check_new_id(self, request: Request) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use: give each request a unique id"
+            )
 
     def land(self, request_id: str, first_token: SampledToken | None) -> RequestUpdate | None:
         """Decode role: see Scheduler.land. The request's lease ends here."""
@@ -179,13 +187,19 @@ class EngineCore:
             torch.empty(self.vocab_size).exponential_(generator=request.generator)
         return self.scheduler.land(rid, first_token)
 
-    def expire_leases(self, now: float | None = None) -> list[str]:
-        """Decode role: abort reservations whose KV never arrived in time; returns their ids."""
+    def expired_leases(self, now: float | None = None) -> list[str]:
+        """Decode role: reservations whose KV did not arrive in time (the caller aborts them,
+        after making sure nothing more can land in their blocks)."""
         now = time.monotonic() if now is None else now
-        expired: list[str] = [rid for rid, deadline in self._lease_deadlines.items() if deadline <= now]
-        for rid in expired:
-            self.abort(rid)
-        return expired
+        return [rid for rid, deadline in self._lease_deadlines.items() if deadline <= now]
+
+    def extend_lease(self, request_id: str, lease_s: float) -> bool:
+        """Decode role: push a reservation's deadline out (its Decode call has started)."""
+        rid = RequestId(request_id)
+        if rid not in self._lease_deadlines:
+            return False
+        self._lease_deadlines[rid] = time.monotonic() + lease_s
+        return True
 
     def is_transferring(self, request_id: str) -> bool:
         return RequestId(request_id) in self.scheduler.transferring

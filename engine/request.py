@@ -65,6 +65,7 @@ class Request:
     max_tokens: int  # resolved: never past max_model_len
     extra_keys: tuple[str, ...] = ()  # tenant salt, LoRA id: part of every block hash
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

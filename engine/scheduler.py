@@ -17,11 +17,12 @@ queue, with the first token from prefill appended. From there the one rule appli
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.config import SchedulerConfig
 from engine.block_pool import BlockId
+from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus, TokenLogprobs
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -150,6 +151,8 @@ class Scheduler:
             if self.kv.enable_caching and not landed:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached

@@ -95,7 +95,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed")
+    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed", "num_kv_blocks_sent")
     ROUTER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class Timings(_message.Message):
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
     router_s: float
     prefill_queue_s: float
     prefill_compute_s: float
@@ -114,7 +115,8 @@ class Timings(_message.Message):
     total_s: float
     prefill_skipped: bool
     recomputed: bool
-    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ...) -> None: ...
+    num_kv_blocks_sent: int
+    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "timings")

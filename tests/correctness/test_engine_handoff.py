@@ -118,7 +118,9 @@ def test_first_token_ends_request_and_recompute_and_lease(smollm2: LLM) -> None:
     # A lease that expires frees its blocks.
     decode.reserve(decode.make_request("c", prompt, params), lease_s=5)
     assert decode.kv.pool.num_free_blocks < baseline
-    assert decode.expire_leases(now=1e18) == ["c"]
+    assert decode.expired_leases() == []
+    assert decode.expired_leases(now=1e18) == ["c"]
+    decode.abort("c")
     assert decode.kv.pool.num_free_blocks == baseline and not decode.is_transferring("c")
 
 

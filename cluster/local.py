@@ -1,0 +1,176 @@
+"""A whole cluster on this machine as plain processes: N prefill, M decode, one router.
+
+    with LocalCluster.from_yaml("configs/local.yaml") as cluster:
+        client = Client(cluster.router_address)
+
+Each process gets its ready file (JSON with its port) and a log file under `log_dir`; the
+cluster is up once every ready file exists. A random cluster token is made for the run
+and handed to every process in its environment. `stop()` sends SIGTERM, then SIGKILL to
+whatever is still alive after the grace period. (Ray placement replaces this launcher
+on multi-GPU machines.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.errors import ConfigError
+
+TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # same name the services read (proto.worker_main)
+TRANSPORTS = ("ucx", "nccl", "local")
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    """The `cluster:` section of the YAML."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: str = "ucx"  # ucx | nccl (gloo on CPU) | local (one process only: tests)
+    host: str = "127.0.0.1"
+    num_threads: int | None = None  # torch threads per instance; None: the engine's setting
+    startup_timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ConfigError("cluster: num_decode must be >= 1 and num_prefill >= 0")
+        if self.transport not in ("ucx", "nccl"):
+            raise ConfigError(
+                f"cluster.transport: {self.transport!r} must be 'ucx' or 'nccl' for separate processes"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> ClusterConfig:
+        data = data or {}
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - valid
+        if unknown:
+            raise ConfigError(f"unknown key(s) cluster.{sorted(unknown)}; valid keys: {sorted(valid)}")
+        config = cls(**data)
+        config.validate()
+        return config
+
+
+@dataclass
+class _Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    ready_file: Path
+    log_file: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        config_path: str | Path,
+        config: ClusterConfig,
+        log_dir: str | Path | None = None,
+        router_port: int = 0,
+    ) -> None:
+        self.config_path = Path(config_path)
+        self.config = config
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_hex(16)
+        self.router_port = router_port
+        self.processes: list[_Process] = []
+        self.prefill_addresses: list[str] = []
+        self.decode_addresses: list[str] = []
+        self.router_address = ""
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> LocalCluster:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        section = {**(data.get("cluster") or {}), **overrides}
+        return cls(path, ClusterConfig.from_dict(section))
+
+    def start(self) -> LocalCluster:
+        try:
+            workers = [self._spawn(f"prefill-{i}", "prefill_service") for i in range(self.config.num_prefill)]
+            workers += [self._spawn(f"decode-{i}", "decode_service") for i in range(self.config.num_decode)]
+            for process in workers:
+                self._wait_ready(process)
+            self.prefill_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("prefill")]
+            self.decode_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("decode")]
+            args = ["--port", str(self.router_port)]
+            for address in self.prefill_addresses:
+                args += ["--prefill", address]
+            for address in self.decode_addresses:
+                args += ["--decode", address]
+            router = self._spawn("router", "router", args)
+            self._wait_ready(router)
+            self.router_address = f"{self.config.host}:{router.info['port']}"
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def process(self, name: str) -> _Process:
+        return next(p for p in self.processes if p.name == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (fault-injection tests)."""
+        process = self.process(name)
+        process.popen.kill()
+        process.popen.wait(timeout=30)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for process in self.processes:
+            if process.popen.poll() is None:
+                process.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            try:
+                process.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.popen.kill()
+                process.popen.wait(timeout=10)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, module: str, extra: list[str] | None = None) -> _Process:
+        ready = self.log_dir / f"{name}.ready.json"
+        ready.unlink(missing_ok=True)
+        log = self.log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", module, "--config", str(self.config_path), "--ready-file", str(ready)]
+        if module != "router":
+            cmd += ["--name", name, "--host", self.config.host, "--kv-host", self.config.host,
+                    "--transport", self.config.transport]
+            if self.config.num_threads is not None:
+                cmd += ["--num-threads", str(self.config.num_threads)]
+        cmd += extra or []
+        env = {**os.environ, TOKEN_ENV: self.token}
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd())
+        process = _Process(name, popen, ready, log)
+        self.processes.append(process)
+        return process
+
+    def _wait_ready(self, process: _Process) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not process.ready_file.exists():
+            if process.popen.poll() is not None:
+                tail = process.log_file.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{process.name} exited with {process.popen.returncode} while starting:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{process.name} not ready after {self.config.startup_timeout_s}s; see {process.log_file}")
+            time.sleep(0.1)
+        process.info = json.loads(process.ready_file.read_text())

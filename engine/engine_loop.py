@@ -1,0 +1,245 @@
+"""The engine core on its own thread, for servers: requests in from any thread, a stream
+of deltas out per request.
+
+Lifecycle of a request in the loop:
+  1. `add` (or `reserve`, decode role) registers a RequestStream and hands the request to
+     the engine thread; nothing else ever touches the EngineCore.
+  2. The engine thread steps while there is work; each step's updates become StreamDeltas
+     (new tokens, new text, logprobs) on the request's stream. Stop strings are found here
+     and finish the request in the core; text that might be the start of a stop string is
+     held back until it is known not to be one.
+  3. The last delta of a stream has `finish_reason` set ("stop", "length", "abort"). An
+     abort from any thread (`abort`) ends the stream with "abort" and frees its blocks.
+  4. Decode role: reservations whose lease ran out are aborted by the loop, after the
+     `before_abort` hook (the KV receiver's cancel) guarantees nothing more lands in them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore, KVPush
+from engine.request import Request, TokenLogprobs
+from engine.scheduler import RequestUpdate, SampledToken
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05  # how often an idle loop checks leases
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None  # set on the last delta only
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_s: float = 0.0  # arrival -> first scheduled (0 until then)
+    error: str | None = None  # why an aborted stream ended, when not asked to by a client
+
+
+class RequestStream:
+    """Deltas of one request, in order; iterate it from one consumer thread."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.Queue[StreamDelta] = queue.Queue()
+        self.finished = False
+
+    def put(self, delta: StreamDelta) -> None:
+        self._queue.put(delta)
+
+    def get(self, timeout_s: float | None = None) -> StreamDelta:
+        """The next delta; raises queue.Empty after `timeout_s`."""
+        return self._queue.get(timeout=timeout_s)
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while True:
+            delta = self._queue.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    stream: RequestStream
+    detokenizer: IncrementalDetokenizer | None
+    num_sent_chars: int = 0
+    num_sent_logprobs: int = 0
+    hold_back_chars: int = 0  # longest stop string - 1
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Any | None,
+        before_abort: Callable[[str], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self._before_abort = before_abort
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread
+
+    def call(self, fn: Callable[[EngineCore], T], timeout_s: float | None = 60.0) -> T:
+        """Run `fn(core)` on the engine thread and return its result (or raise its error)."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(self.core))
+            except BaseException as e:  # handed to the caller, never kills the loop
+                future.set_exception(e)
+
+        self._commands.put(run)
+        return future.result(timeout=timeout_s)
+
+    def add(self, request: Request, kv_push: KVPush | None = None) -> RequestStream:
+        def add(core: EngineCore) -> RequestStream:
+            core.add_request(request, kv_push)
+            return self._track(request)
+
+        return self.call(add)
+
+    def reserve(self, request: Request, lease_s: float) -> tuple[list[int], RequestStream] | None:
+        """Decode role: (block ids, stream) or None when the blocks do not fit."""
+
+        def reserve(core: EngineCore) -> tuple[list[int], RequestStream] | None:
+            block_ids = core.reserve(request, lease_s)
+            return None if block_ids is None else (block_ids, self._track(request))
+
+        return self.call(reserve)
+
+    def land(self, request_id: str, first_token: SampledToken | None) -> bool:
+        """Decode role: start decoding (see EngineCore.land); False if the reservation is gone."""
+
+        def land(core: EngineCore) -> bool:
+            if not core.is_transferring(request_id):
+                return False
+            update = core.land(request_id, first_token)
+            if update is not None:
+                self._dispatch([update])
+            return True
+
+        return self.call(land)
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Abort a request wherever it is; ends its stream. False if it was already done."""
+        return self.call(lambda core: self._abort(request_id, error))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread
+
+    def _track(self, request: Request) -> RequestStream:
+        stream = RequestStream(request.request_id)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        hold_back = max((len(s) for s in request.sampling_params.stop), default=1) - 1
+        self._tracked[request.request_id] = _Tracked(request, stream, detok, hold_back_chars=hold_back)
+        return stream
+
+    def _abort(self, request_id: str, error: str | None) -> bool:
+        tracked = self._tracked.pop(request_id, None)
+        if self._before_abort is not None:
+            self._before_abort(request_id)
+        request = self.core.abort(request_id)
+        if tracked is not None:
+            tracked.stream.put(self._delta(tracked, [], "abort", None, error=error))
+        return request is not None
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            busy = self.core.has_unfinished()
+            try:
+                command = self._commands.get_nowait() if busy else self._commands.get(timeout=_IDLE_WAIT_S)
+                command()
+                while True:
+                    self._commands.get_nowait()()
+            except queue.Empty:
+                pass
+            for request_id in self.core.expired_leases():
+                logger.warning("reservation %s expired before its KV arrived; freeing its blocks", request_id)
+                self._abort(request_id, "the reservation's lease expired before decoding started")
+            if self.core.has_unfinished():
+                try:
+                    self._dispatch(self.core.step())
+                except Exception:
+                    logger.exception("engine step failed; aborting the requests in it")
+                    for request_id in list(self._tracked):
+                        if not self.core.is_transferring(request_id):
+                            self._abort(request_id, "the engine step failed")
+
+    def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            request_id = update.request.request_id
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue
+            stop = None
+            if tracked.detokenizer is not None:
+                stop = tracked.detokenizer.update(update.new_token_ids)
+            finish_reason = stop_reason = None
+            if stop is not None and not update.finished:
+                self.core.finish_stopped(request_id, stop)
+            if stop is not None or update.finished:
+                finish_reason = "stop" if stop is not None else update.request.status.finish_reason
+                stop_reason = stop if stop is not None else update.request.stop_reason
+                del self._tracked[request_id]
+            tracked.stream.put(self._delta(tracked, update.new_token_ids, finish_reason, stop_reason))
+
+    def _delta(
+        self,
+        tracked: _Tracked,
+        token_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        error: str | None = None,
+    ) -> StreamDelta:
+        request = tracked.request
+        text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
+        # Hold back what could still turn out to be the start of a stop string.
+        end = len(text) if finish_reason is not None else max(tracked.num_sent_chars, len(text) - tracked.hold_back_chars)
+        new_text = text[tracked.num_sent_chars : end]
+        tracked.num_sent_chars = end
+        logprobs = request.output_logprobs[tracked.num_sent_logprobs :]
+        tracked.num_sent_logprobs = len(request.output_logprobs)
+        started = request.first_scheduled_time
+        return StreamDelta(
+            token_ids=list(token_ids),
+            text=new_text,
+            logprobs=list(logprobs),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            queue_s=0.0 if started is None else started - request.arrival_time,
+            error=error,
+        )
+
+
+__all__ = ["EngineLoop", "RequestStream", "StreamDelta"]

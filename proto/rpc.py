@@ -1,0 +1,117 @@
+"""gRPC plumbing every server and client of the cluster shares: servers with the standard
+health and reflection services, and the cluster token on internal RPCs.
+
+Internal listeners bind 127.0.0.1 unless configured otherwise. With a token configured, a
+worker refuses any call that does not carry it (health checks excepted), so a stray
+process on the host cannot reserve blocks or push prompts.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+TOKEN_METADATA_KEY = "x-cluster-token"
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+# Prompts and streamed responses can exceed gRPC's 4 MiB default.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        given = dict(details.invocation_metadata).get(TOKEN_METADATA_KEY, "")
+        if hmac.compare_digest(str(given).encode(), self._token):
+            return handler
+        return _refusal(handler)
+
+
+def _refusal(handler: Any) -> Any:
+    message = "missing or wrong cluster token: start every process of the cluster with the same token"
+
+    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            deny, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        deny, handler.request_deserializer, handler.response_serializer
+    )
+
+
+def make_server(
+    address: str,
+    service_names: Iterable[str],
+    token: str | None = None,
+    max_workers: int = 64,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A server bound to `address` ("127.0.0.1:0" picks a port) with health and reflection.
+
+    Returns (server, bound port, health servicer). Add the services, then `server.start()`.
+    """
+    interceptors = [_TokenCheck(token)] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=interceptors,
+        options=CHANNEL_OPTIONS,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: is the port taken?")
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    for name in names:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server, port, health_servicer
+
+
+class _TokenAttach(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = list(details.metadata or []) + [(TOKEN_METADATA_KEY, self._token)]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
+def make_channel(address: str, token: str | None = None) -> grpc.Channel:
+    """An insecure channel to `address` that attaches the cluster token to every call."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if token:
+        channel = grpc.intercept_channel(channel, _TokenAttach(token))
+    return channel
+
+
+def check_health(channel: grpc.Channel, service: str = "", timeout_s: float = 1.0) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

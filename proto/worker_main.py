@@ -1,0 +1,70 @@
+"""What the prefill and decode processes share at start-up: their command line, building
+the engine, and serving until SIGTERM. (Services never import each other; this is the
+common ground.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.tokenizer import load_tokenizer
+from proto.rpc import make_server
+
+TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-f", required=True, help="YAML with an `engine:` section")
+    parser.add_argument("--name", default="worker", help="instance name, in logs and handshakes")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--kv-host", default="127.0.0.1", help="KV transfer listen address")
+    parser.add_argument("--kv-port", type=int, default=0)
+    parser.add_argument("--transport", default="ucx", choices=["ucx", "nccl", "local"])
+    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (overrides the config)")
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="written (JSON: port, kv_endpoint, pid) once the server is up")
+
+
+def build_engine(args: argparse.Namespace, role: str) -> tuple[EngineCore, Any]:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
+    config = EngineConfig.from_yaml(args.config).with_overrides(role=role)
+    if args.num_threads is not None:
+        config = config.with_overrides(num_threads=args.num_threads)
+    core = EngineCore(config)
+    path = core.source.tokenizer_path
+    return core, (load_tokenizer(path) if path is not None else None)
+
+
+def serve(
+    args: argparse.Namespace,
+    service_name: str,
+    add_servicer: Callable[[grpc.Server], None],
+    ready_info: dict[str, Any],
+) -> None:
+    """Serve until SIGTERM/SIGINT, then stop accepting and give calls in flight 5 s."""
+    server, port, _ = make_server(f"{args.host}:{args.port}", [service_name], os.environ.get(TOKEN_ENV))
+    add_servicer(server)
+    server.start()
+    logging.getLogger(__name__).info("%s serving on %s:%d", service_name, args.host, port)
+    if args.ready_file is not None:
+        tmp = args.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), **ready_info}))
+        tmp.replace(args.ready_file)  # readers never see a half-written file
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=5).wait()

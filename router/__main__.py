@@ -1,0 +1,70 @@
+"""python -m router --config configs/local.yaml --prefill 127.0.0.1:50100 --decode 127.0.0.1:50200
+
+Serves the client Generation API, routing to the given prefill and decode instances."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from engine.config import EngineConfig
+from engine.loader import resolve
+from engine.tokenizer import load_tokenizer
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.rpc import make_server
+from proto.worker_main import TOKEN_ENV
+from router.config import RouterConfig
+from router.registry import Registry
+from router.servicer import RouterServicer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="router", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", "-f", required=True, help="cluster YAML (engine: and router: sections)")
+    parser.add_argument("--prefill", action="append", default=[], help="host:port of a prefill instance")
+    parser.add_argument("--decode", action="append", default=[], help="host:port of a decode instance")
+    parser.add_argument("--port", type=int, default=None, help="overrides router.port; 0 picks one")
+    parser.add_argument("--ready-file", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    if not args.decode:
+        parser.error("give at least one --decode instance")
+    data = yaml.safe_load(Path(args.config).read_text()) or {}
+    config = RouterConfig.from_dict(data.get("router"))
+    engine_config = EngineConfig.from_yaml(args.config)
+    source = resolve(engine_config.model)
+    tokenizer = load_tokenizer(source.tokenizer_path) if source.tokenizer_path is not None else None
+    token = os.environ.get(TOKEN_ENV)
+    registry = Registry(args.prefill, args.decode, token, config.stats_interval_s)
+    servicer = RouterServicer(
+        config, registry, tokenizer, engine_config.model.model, engine_config.scheduler.max_model_len or 0
+    )
+    port = config.port if args.port is None else args.port
+    # The client API has no cluster token: it is the public side (API keys come with the HTTP front).
+    server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation"], token=None)
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    server.start()
+    logging.getLogger(__name__).info("router serving on %s:%d", config.host, bound)
+    if args.ready_file is not None:
+        tmp = args.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": bound, "pid": os.getpid()}))
+        tmp.replace(args.ready_file)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=5).wait()
+    registry.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The router's settings: the `router:` section of the cluster YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ConfigError
+from router.policy import POLICIES
+
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    policy: str = "least_loaded"  # one of POLICIES
+    # Prompts with fewer uncached tokens than this skip prefill: decode computes them.
+    min_prefill_tokens: int = 64
+    on_transfer_failure: str = "recompute"  # or "fail"
+    lease_s: float = 30.0  # a reservation's blocks are freed if decoding has not started by then
+    transfer_timeout_s: float = 30.0  # how long decode waits for the KV to land
+    prefill_timeout_s: float = 300.0  # a Prefill call that takes longer counts as failed
+    stats_interval_s: float = 0.5
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"router.policy: {self.policy!r} is not one of {POLICIES}")
+        if self.on_transfer_failure not in FAILURE_POLICIES:
+            raise ConfigError(f"router.on_transfer_failure: {self.on_transfer_failure!r} is not one of {FAILURE_POLICIES}")
+        if self.min_prefill_tokens < 0:
+            raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
+        for name in ("lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"router.{name} must be > 0")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RouterConfig:
+        data = data or {}
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - valid
+        if unknown:
+            raise ConfigError(f"unknown key(s) router.{sorted(unknown)}; valid keys: {sorted(valid)}")
+        config = cls(**data)
+        config.validate()
+        return config

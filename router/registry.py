@@ -1,0 +1,110 @@
+"""The instances the router knows, their gRPC stubs, and their health and load.
+
+A poller thread asks every instance for Stats each `interval_s`; an instance that fails to
+answer is unhealthy until it answers again. The router's own in-flight count per instance
+is kept here too: it is fresh where polled stats lag.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.rpc import make_channel
+from router.policy import InstanceLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    name: str
+    role: str  # "prefill" | "decode"
+    address: str
+    channel: grpc.Channel
+    stub: Any  # PrefillWorkerStub | DecodeWorkerStub
+    healthy: bool = False
+    stats: pb.WorkerStats = field(default_factory=pb.WorkerStats)
+    num_inflight: int = 0
+
+    def load(self) -> InstanceLoad:
+        return InstanceLoad(
+            name=self.name,
+            healthy=self.healthy,
+            num_inflight=self.num_inflight,
+            num_waiting=self.stats.num_waiting,
+            num_running=self.stats.num_running,
+            kv_cache_usage=self.stats.kv_cache_usage,
+        )
+
+
+class Registry:
+    def __init__(self, prefill: list[str], decode: list[str], token: str | None, interval_s: float = 0.5) -> None:
+        self._lock = threading.Lock()
+        self.instances: dict[str, Instance] = {}
+        for role, addresses, stub_type in (
+            ("prefill", prefill, pb_grpc.PrefillWorkerStub),
+            ("decode", decode, pb_grpc.DecodeWorkerStub),
+        ):
+            for i, address in enumerate(addresses):
+                channel = make_channel(address, token)
+                name = f"{role}-{i}"
+                self.instances[name] = Instance(name, role, address, channel, stub_type(channel))
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self.poll()
+        self._thread = threading.Thread(target=self._poll_forever, name="registry-poll", daemon=True)
+        self._thread.start()
+
+    def of_role(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role == role]
+
+    def loads(self, role: str) -> list[InstanceLoad]:
+        with self._lock:
+            return [i.load() for i in self.of_role(role)]
+
+    def acquire(self, name: str) -> Instance:
+        with self._lock:
+            instance = self.instances[name]
+            instance.num_inflight += 1
+            return instance
+
+    def release(self, instance: Instance) -> None:
+        with self._lock:
+            instance.num_inflight -= 1
+
+    def mark_unhealthy(self, instance: Instance) -> None:
+        with self._lock:
+            instance.healthy = False
+
+    def poll(self) -> None:
+        for instance in list(self.instances.values()):
+            try:
+                stats = instance.stub.Stats(pb.StatsRequest(), timeout=max(1.0, self._interval_s * 2))
+            except grpc.RpcError as e:
+                if instance.healthy:
+                    logger.warning("%s at %s is unhealthy: %s", instance.name, instance.address, e.code())
+                with self._lock:
+                    instance.healthy = False
+                continue
+            with self._lock:
+                if not instance.healthy:
+                    logger.info("%s at %s is healthy", instance.name, instance.address)
+                instance.healthy = True
+                instance.stats = stats
+
+    def _poll_forever(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            self.poll()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        for instance in self.instances.values():
+            instance.channel.close()

@@ -1,0 +1,265 @@
+"""The front door: the client gRPC API, driving each request through both legs.
+
+Lifecycle of a request here:
+  1. `Generate`: validate, apply the chat template, tokenize. Tokens travel as integers
+     from here on.
+  2. Reserve on a decode instance (ranked by the routing policy); RESOURCE_EXHAUSTED moves
+     on to the next; none left -> RESOURCE_EXHAUSTED to the client.
+  3. Few uncached tokens (`min_prefill_tokens`) -> skip prefill: decode computes them.
+     Otherwise `Prefill` on a prefill instance, which pushes the KV into the reservation and
+     answers with the first token.
+  4. A failed or dead prefill, or a failed transfer: policy `recompute` lets decode compute
+     the prompt itself; policy `fail` fails the request (both legs released).
+  5. `Decode` streams tokens from the decode instance; the router relays them, adding the
+     timings to the last response.
+Abort (client Abort, disconnect, deadline, a failed leg) goes through the Handoff, which
+releases both legs exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.tokenizer import apply_chat_template
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.convert import sampling_params_from_proto
+from router.config import RouterConfig
+from router.handoff import Handoff, HandoffState
+from router.policy import rank, should_skip_prefill
+from router.registry import Instance, Registry
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+class RouterServicer(pb_grpc.GenerationServicer):
+    def __init__(
+        self, config: RouterConfig, registry: Registry, tokenizer: Any, model_name: str, max_model_len: int
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._tokenizer = tokenizer
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self._active: dict[str, Handoff] = {}
+        self._lock = threading.Lock()
+        self._turn = 0
+
+    # ---- client API
+
+    def Generate(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
+        request = self._worker_request(msg, context)
+        handoff = Handoff(request.request_id)
+        with self._lock:
+            if request.request_id in self._active:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is in flight: use a unique id")
+            self._active[request.request_id] = handoff
+        context.add_callback(lambda: handoff.abort("the client went away"))
+        timer = None
+        if msg.deadline_s > 0:
+            timer = threading.Timer(msg.deadline_s, handoff.abort, args=(f"deadline of {msg.deadline_s}s passed",))
+            timer.daemon = True
+            timer.start()
+        try:
+            yield from self._serve(handoff, request, context, arrival)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with self._lock:
+                self._active.pop(request.request_id, None)
+
+    def Abort(self, msg: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        with self._lock:
+            handoff = self._active.get(msg.request_id)
+        return pb.AbortResponse(found=handoff is not None and handoff.abort("aborted by the client"))
+
+    def ListModels(self, msg: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[pb.ModelCard(id=self._model_name, max_model_len=self._max_model_len)])
+
+    # ---- the two legs
+
+    def _serve(
+        self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext, arrival: float
+    ) -> Iterator[pb.GenerateResponse]:
+        decode, reservation = self._reserve(handoff, request, context)
+        timings = pb.Timings()
+        try:
+            timings.router_s = time.monotonic() - arrival
+            first_token = self._prefill(handoff, request, reservation, timings, context)
+            if not handoff.advance(HandoffState.DECODING):
+                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+            call = decode.stub.Decode(
+                pb.DecodeRequest(
+                    request_id=request.request_id,
+                    first_token=first_token,
+                    on_transfer_failure=_failure_policy(self._config.on_transfer_failure),
+                    transfer_timeout_s=self._config.transfer_timeout_s,
+                )
+            )
+            handoff.on_abort(call.cancel)
+            yield from self._relay(handoff, call, timings, arrival, context)
+        finally:
+            self._registry.release(decode)
+
+    def _reserve(
+        self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext
+    ) -> tuple[Instance, pb.Reservation]:
+        names = rank(self._config.policy, self._registry.loads("decode"), self._next_turn())
+        last_error = "no healthy decode instance"
+        for name in names:
+            instance = self._registry.acquire(name)
+            try:
+                reservation = instance.stub.Reserve(
+                    pb.ReserveRequest(request=request, lease_s=self._config.lease_s), timeout=10.0
+                )
+            except grpc.RpcError as e:
+                self._registry.release(instance)
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    context.abort(e.code(), e.details())
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._registry.mark_unhealthy(instance)
+                if e.code() not in _RETRYABLE:
+                    context.abort(e.code(), f"{name}: {e.details()}")
+                last_error = f"{name}: {e.details()}"
+                continue
+            handoff.on_abort(lambda s=instance.stub: s.Release(pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
+            if not handoff.advance(HandoffState.RESERVED):
+                self._registry.release(instance)
+                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+            return instance, reservation
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no decode instance can take this request now ({last_error}); retry later")
+        raise AssertionError("unreachable")
+
+    def _prefill(
+        self,
+        handoff: Handoff,
+        request: pb.WorkerRequest,
+        reservation: pb.Reservation,
+        timings: pb.Timings,
+        context: grpc.ServicerContext,
+    ) -> pb.TokenLogprob | None:
+        """The first token, or None when decode is to compute the prompt itself."""
+        num_prompt = len(request.prompt_token_ids)
+        if should_skip_prefill(num_prompt, reservation.num_cached_tokens, self._config.min_prefill_tokens):
+            timings.prefill_skipped = True
+            return None
+        names = rank(self._config.policy, self._registry.loads("prefill"), self._next_turn())
+        if not names:
+            return self._prefill_failed(handoff, timings, context, "no healthy prefill instance")
+        instance = self._registry.acquire(names[0])
+        try:
+            if not handoff.advance(HandoffState.PREFILLING):
+                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+            future = instance.stub.Prefill.future(
+                pb.PrefillRequest(request=request, reservation=reservation), timeout=self._config.prefill_timeout_s
+            )
+            handoff.on_abort(future.cancel)
+            handoff.on_abort(lambda: instance.stub.Abort(pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
+            try:
+                reply = future.result()
+            except grpc.FutureCancelledError:
+                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    handoff.abort(e.details() or "invalid request")
+                    context.abort(e.code(), e.details())
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._registry.mark_unhealthy(instance)
+                return self._prefill_failed(handoff, timings, context, f"{instance.name}: {e.code().name} {e.details()}")
+        finally:
+            self._registry.release(instance)
+        timings.prefill_queue_s = reply.queue_s
+        timings.prefill_compute_s = reply.compute_s
+        timings.transfer_s = reply.transfer_s
+        timings.num_kv_blocks_sent = reply.num_blocks_sent
+        if reply.transfer_status not in (pb.TRANSFER_DONE, pb.TRANSFER_SKIPPED):
+            return self._prefill_failed(handoff, timings, context, f"{instance.name}: KV transfer failed: {reply.transfer_error}")
+        if not handoff.advance(HandoffState.TRANSFERRED):
+            context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+        return reply.first_token
+
+    def _prefill_failed(
+        self, handoff: Handoff, timings: pb.Timings, context: grpc.ServicerContext, error: str
+    ) -> None:
+        if self._config.on_transfer_failure == "fail":
+            handoff.abort(error)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {error}")
+        logger.warning("%s: prefill failed (%s); decode computes the prompt", handoff.request_id, error)
+        timings.recomputed = True
+        return None
+
+    def _relay(
+        self, handoff: Handoff, call: Any, timings: pb.Timings, arrival: float, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        first = True
+        try:
+            for response in call:
+                if first:
+                    timings.ttft_s = time.monotonic() - arrival
+                    timings.transfer_s += response.timings.transfer_s
+                    timings.decode_queue_s = response.timings.decode_queue_s
+                    timings.recomputed = timings.recomputed or response.timings.recomputed
+                    first = False
+                if response.finish_reason:
+                    timings.total_s = time.monotonic() - arrival
+                    response.timings.CopyFrom(timings)
+                    handoff.advance(HandoffState.FINISHED)
+                else:
+                    response.ClearField("timings")
+                yield response
+        except grpc.RpcError as e:
+            if handoff.state == HandoffState.ABORTED:
+                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+            handoff.abort(f"decode failed: {e.details()}")
+            context.abort(e.code(), f"decode failed: {e.details()}")
+
+    # ---- helpers
+
+    def _worker_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.WorkerRequest:
+        if msg.model and msg.model != self._model_name:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model {msg.model!r} is not served here; this cluster serves {self._model_name!r}")
+        try:
+            sampling_params_from_proto(msg.sampling_params)  # validate here, with a clear message
+            prompt = self._tokenize(msg)
+        except (InvalidRequestError, ModelLoadError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.WorkerRequest(
+            request_id=msg.request_id or uuid.uuid4().hex,
+            prompt_token_ids=prompt,
+            sampling_params=msg.sampling_params,
+        )
+
+    def _tokenize(self, msg: pb.GenerateRequest) -> list[int]:
+        kind = msg.WhichOneof("prompt")
+        if kind == "token_ids":
+            return list(msg.token_ids.ids)
+        if self._tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send token_ids")
+        if kind == "text":
+            return list(self._tokenizer.encode(msg.text))
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+            if not messages:
+                raise InvalidRequestError("the chat has no messages: send at least one")
+            return list(apply_chat_template(self._tokenizer, messages))
+        raise InvalidRequestError("the request has no prompt: set text, token_ids or chat")
+
+    def _next_turn(self) -> int:
+        with self._lock:
+            self._turn += 1
+            return self._turn
+
+
+def _failure_policy(name: str) -> int:
+    return pb.FAILURE_POLICY_FAIL if name == "fail" else pb.FAILURE_POLICY_RECOMPUTE

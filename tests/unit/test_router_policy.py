@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import ConfigError
+from router.config import RouterConfig
+from router.handoff import Handoff, HandoffState, InvalidTransition
+from router.policy import InstanceLoad, least_loaded, rank, round_robin, should_skip_prefill
+
+
+def _load(name: str, inflight: int = 0, waiting: int = 0, usage: float = 0.0, healthy: bool = True) -> InstanceLoad:
+    return InstanceLoad(name, healthy, inflight, num_waiting=waiting, kv_cache_usage=usage)
+
+
+def test_least_loaded_orders_by_queue_then_cache_and_drops_unhealthy() -> None:
+    loads = [_load("a", inflight=2), _load("b", waiting=1, usage=0.5), _load("c", usage=0.9), _load("d", healthy=False)]
+    assert least_loaded(loads) == ["c", "b", "a"]
+
+
+def test_round_robin_rotates_over_healthy_only() -> None:
+    loads = [_load("a"), _load("b", healthy=False), _load("c")]
+    assert round_robin(loads, 0) == ["a", "c"]
+    assert round_robin(loads, 1) == ["c", "a"]
+    assert round_robin(loads, 2) == ["a", "c"]
+    assert round_robin([_load("x", healthy=False)], 3) == []
+    assert rank("round_robin", loads, 1) == ["c", "a"]
+
+
+def test_skip_prefill_threshold() -> None:
+    assert should_skip_prefill(num_prompt_tokens=20, num_cached_tokens=0, min_prefill_tokens=32)
+    assert not should_skip_prefill(100, 0, 32)
+    assert should_skip_prefill(100, 80, 32)  # decode holds nearly all of it
+    assert not should_skip_prefill(1, 0, 0)  # 0: always prefill
+
+
+def test_handoff_transitions_and_idempotent_abort() -> None:
+    h = Handoff("r")
+    released: list[str] = []
+    assert h.advance(HandoffState.RESERVED)
+    h.on_abort(lambda: released.append("decode"))
+    assert h.advance(HandoffState.PREFILLING)
+    h.on_abort(lambda: released.append("prefill"))
+    with pytest.raises(InvalidTransition):
+        h.advance(HandoffState.FINISHED)
+    assert h.abort("client went away")
+    assert released == ["prefill", "decode"]  # newest leg first
+    assert not h.abort("again") and released == ["prefill", "decode"]
+    assert not h.advance(HandoffState.TRANSFERRED)  # the caller learns it was aborted
+    assert not h.on_abort(lambda: released.append("late"))  # registered after abort: runs now
+    assert released[-1] == "late"
+
+
+def test_finished_handoff_releases_nothing() -> None:
+    h = Handoff("r")
+    released: list[str] = []
+    h.advance(HandoffState.RESERVED)
+    h.on_abort(lambda: released.append("decode"))
+    h.advance(HandoffState.DECODING)  # prefill skipped
+    h.advance(HandoffState.FINISHED)
+    assert not h.abort("late abort") and released == []
+
+
+def test_abort_survives_a_failing_release() -> None:
+    h = Handoff("r")
+    h.advance(HandoffState.RESERVED)
+
+    def dead() -> None:
+        raise ConnectionError("instance is gone")
+
+    h.on_abort(dead)
+    assert h.abort("deadline") and h.state == HandoffState.ABORTED
+
+
+def test_router_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="router.policy"):
+        RouterConfig.from_dict({"policy": "random"})
+    with pytest.raises(ConfigError, match="unknown key"):
+        RouterConfig.from_dict({"polcy": "round_robin"})
+    assert RouterConfig.from_dict(None).on_transfer_failure == "recompute"
