@@ -45,7 +45,8 @@ class Client:
         timeout_s: float | None = None,
         **sampling: Any,
     ) -> Iterator[pb.GenerateResponse]:
-        """Server-streamed responses; `sampling` takes SamplingParams fields (max_tokens=..)."""
+        """Server-streamed responses (the gRPC call: iterate it, or `.cancel()` it to hang up);
+        `sampling` takes SamplingParams fields (max_tokens=..)."""
         request = pb.GenerateRequest(request_id=request_id, sampling_params=pb.SamplingParams(**sampling), deadline_s=deadline_s)
         if text is not None:
             request.text = text
@@ -53,7 +54,7 @@ class Client:
             request.token_ids.ids.extend(token_ids)
         elif chat is not None:
             request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
-        yield from self.stub.Generate(request, timeout=timeout_s)
+        return self.stub.Generate(request, timeout=timeout_s)  # type: ignore[no-any-return]
 
     def generate(self, **kwargs: Any) -> Completion:
         """The whole completion; raises grpc.RpcError with the server's message on failure."""

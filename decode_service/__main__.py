@@ -1,0 +1,45 @@
+"""python -m decode_service --config configs/local.yaml --port 0 --ready-file /tmp/d0.json
+
+Serves the DecodeWorker gRPC API around a decode-role engine, with a KV receiver."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from decode_service.servicer import DecodeServicer
+from engine.engine_loop import EngineLoop
+from kv_transfer import KVLayout, make_receiver
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.worker_main import add_worker_args, build_engine, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="decode_service", description=__doc__.splitlines()[0])
+    add_worker_args(parser)
+    parser.add_argument("--lease-s", type=float, default=30.0, help="default reservation lease")
+    args = parser.parse_args(argv)
+    core, tokenizer = build_engine(args, role="decode")
+    kv_caches = core.runner.kv_caches
+    layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
+    receiver = make_receiver(args.transport, kv_caches, layout, args.kv_host, args.kv_port)
+    servicer: DecodeServicer | None = None
+
+    def before_abort(request_id: str) -> None:
+        assert servicer is not None
+        servicer.before_abort(request_id)
+
+    loop = EngineLoop(core, tokenizer, before_abort=before_abort)
+    servicer = DecodeServicer(loop, receiver, layout, args.lease_s, args.transfer_timeout_s)
+    try:
+        serve(args, "vllm_cluster.DecodeWorker",
+              lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
+              {"kv_endpoint": receiver.endpoint})
+    finally:
+        loop.stop()
+        receiver.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The decode instance: holds blocks for prompts that prefill instances fill, then decodes
+them with continuous batching.
+
+Lifecycle of a request here:
+  1. `Reserve`: match the prompt against our prefix cache, allocate blocks for the rest
+     (TRANSFERRING, under a lease), tell the KV receiver to expect the blocks that must
+     travel, answer with the block ids, our KV endpoint and layout. No room ->
+     RESOURCE_EXHAUSTED, and the router tries another instance.
+  2. Prefill pushes the KV straight into those blocks.
+  3. `Decode` (server-streaming): with a first token, wait until every expected block has
+     landed; then the request joins the running batch with that token. Without one (prefill
+     skipped or failed), or when the KV does not arrive in time under policy `recompute`,
+     decode computes the prompt itself. Tokens stream out until a finish reason.
+  4. `Release`, a lease that runs out, or the Decode caller going away aborts the request;
+     the receiver stops writing into its blocks before they are freed.
+Invariant: a block is freed only after the receiver guarantees nothing more lands in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from engine.engine_loop import EngineLoop, RequestStream
+from engine.errors import InvalidRequestError
+from engine.scheduler import SampledToken
+from kv_transfer import KVLayout, KVReceiver, TransferStatus
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.convert import (
+    delta_to_proto,
+    request_from_proto,
+    sampled_token_from_proto,
+    worker_stats_to_proto,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        receiver: KVReceiver,
+        layout: KVLayout,
+        default_lease_s: float = 30.0,
+        default_transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self._loop = loop
+        self._receiver = receiver
+        self._layout = layout
+        self._default_lease_s = default_lease_s
+        self._default_transfer_timeout_s = default_transfer_timeout_s
+        self._lock = threading.Lock()
+        # Reserved, Decode not yet called: the stream, and whether logprobs were asked for.
+        self._streams: dict[str, tuple[RequestStream, bool]] = {}
+
+    def before_abort(self, request_id: str) -> None:
+        """Runs on the engine thread before a request's blocks are freed."""
+        self._receiver.cancel(request_id)
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def Reserve(self, msg: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.Reservation:
+        try:
+            request = request_from_proto(self._loop.core, msg.request)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        lease_s = msg.lease_s or self._default_lease_s
+        try:
+            result = self._loop.reserve(request, lease_s)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if result is None:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no room for {request.num_prompt_tokens} prompt tokens in this decode instance's "
+                "KV cache right now: try another instance or retry later",
+            )
+        block_ids, stream = result
+        num_cached = request.num_cached_tokens
+        num_skip_blocks = num_cached // self._layout.block_size
+        with self._lock:
+            self._streams[request.request_id] = (stream, request.sampling_params.logprobs is not None)
+        # The transfer id is the request id: one reservation, one transfer.
+        self._receiver.expect(request.request_id, block_ids[num_skip_blocks:])
+        return pb.Reservation(
+            request_id=request.request_id,
+            transfer_id=request.request_id,
+            block_ids=block_ids,
+            num_cached_tokens=num_cached,
+            kv_endpoint=self._receiver.endpoint,
+            layout=self._layout.to_proto(),
+            lease_s=lease_s,
+        )
+
+    def Decode(self, msg: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        request_id = msg.request_id
+        with self._lock:
+            reserved = self._streams.pop(request_id, None)
+        if reserved is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no reservation for request {request_id!r}: it expired, was released, or was never made",
+            )
+        stream, with_logprobs = reserved
+        timeout_s = msg.transfer_timeout_s or self._default_transfer_timeout_s
+        self._loop.call(lambda core: core.extend_lease(request_id, timeout_s + self._default_lease_s))
+        context.add_callback(lambda: self._loop.abort(request_id))  # no-op once finished
+        start = time.monotonic()
+        first_token: SampledToken | None = None
+        recomputed = False
+        if msg.HasField("first_token"):
+            status = self._receiver.wait(request_id, timeout_s)
+            if status == TransferStatus.DONE:
+                first_token = sampled_token_from_proto(msg.first_token, with_logprobs)
+            elif msg.on_transfer_failure == pb.FAILURE_POLICY_FAIL:
+                error = f"the KV cache of request {request_id!r} did not arrive ({status.name}) within {timeout_s:.1f}s"
+                self._loop.abort(request_id, error)
+                context.abort(grpc.StatusCode.UNAVAILABLE, error)
+            else:
+                logger.warning("KV of %s did not arrive (%s); computing the prompt here", request_id, status.name)
+                recomputed = True
+        else:
+            recomputed = False  # no prefill was asked to run: computing here is the plan
+        self._receiver.cancel(request_id)  # landed or given up: nothing more may arrive
+        transfer_s = time.monotonic() - start
+        if not self._loop.land(request_id, first_token):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"request {request_id!r} was aborted before decoding started")
+        landed = time.monotonic()
+        first = True
+        for delta in stream:
+            response = delta_to_proto(request_id, delta)
+            if first:
+                response.timings.transfer_s = transfer_s
+                response.timings.decode_queue_s = time.monotonic() - landed
+                response.timings.recomputed = recomputed
+                first = False
+            if delta.finish_reason == "abort" and delta.error:
+                context.abort(grpc.StatusCode.ABORTED, delta.error)
+            yield response
+
+    def Release(self, msg: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(found=self._loop.abort(msg.request_id))
+
+    def Stats(self, msg: pb.StatsRequest, context: grpc.ServicerContext) -> pb.WorkerStats:
+        stats = self._loop.call(lambda core: core.stats())
+        return worker_stats_to_proto(stats, "decode", self._layout.block_size, self._layout.model, self._receiver.endpoint)

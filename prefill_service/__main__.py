@@ -1,0 +1,37 @@
+"""python -m prefill_service --config configs/local.yaml --port 0 --ready-file /tmp/p0.json
+
+Serves the PrefillWorker gRPC API around a prefill-role engine, with a KV sender."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.engine_loop import EngineLoop
+from kv_transfer import KVLayout, make_sender
+from prefill_service.servicer import PrefillServicer
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.worker_main import add_worker_args, build_engine, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefill_service", description=__doc__.splitlines()[0])
+    add_worker_args(parser)
+    args = parser.parse_args(argv)
+    core, _ = build_engine(args, role="prefill")
+    kv_caches = core.runner.kv_caches
+    layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
+    sender = make_sender(args.transport, kv_caches, layout, args.name)
+    loop = EngineLoop(core, tokenizer=None)  # decode detokenizes; prefill only samples one token
+    servicer = PrefillServicer(loop, sender, layout, args.transfer_timeout_s)
+    try:
+        serve(args, "vllm_cluster.PrefillWorker",
+              lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server), {})
+    finally:
+        loop.stop()
+        sender.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The prefill instance: computes prompts and pushes their KV into decode reservations.
+
+Lifecycle of a request here:
+  1. `Prefill(request, reservation)`: check the reservation's KV layout against ours (a
+     mismatch fails the transfer at once, naming both sides' values), then queue the
+     request. Prompts are batched with chunked prefill like any other engine work.
+  2. In the step that completes the prompt, each layer's blocks (those the decode does not
+     already hold) are pushed as soon as that layer is computed.
+  3. The step ends when every push is confirmed; the request's blocks are then freed (they
+     stay in our prefix cache). The reply carries the first token and the transfer outcome.
+  4. `Abort`, or the caller going away, drops the request; a push never outlives its step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from engine.engine_loop import EngineLoop
+from engine.errors import InvalidRequestError
+from kv_transfer import KVLayout, KVSender, TransferStatus
+from prefill_service.push import ReservationPush
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.convert import first_token_to_proto, request_from_proto, worker_stats_to_proto
+
+_STATUS = {TransferStatus.DONE: pb.TRANSFER_DONE, None: pb.TRANSFER_SKIPPED}
+
+
+class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, loop: EngineLoop, sender: KVSender, layout: KVLayout, transfer_timeout_s: float = 30.0) -> None:
+        self._loop = loop
+        self._sender = sender
+        self._layout = layout
+        self._transfer_timeout_s = transfer_timeout_s
+
+    def Prefill(self, msg: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        arrival = time.monotonic()
+        try:
+            request = request_from_proto(self._loop.core, msg.request)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        reservation = msg.reservation
+        mismatches = self._layout.mismatches(KVLayout.from_proto(reservation.layout))
+        if mismatches:
+            return pb.PrefillResponse(
+                transfer_status=pb.TRANSFER_FAILED,
+                transfer_error="KV layout mismatch between prefill and decode: " + "; ".join(mismatches)
+                + ". Run both with the same model, dtype, block_size and parallel layout.",
+            )
+        push = ReservationPush(
+            self._sender,
+            reservation.kv_endpoint,
+            reservation.transfer_id,
+            list(reservation.block_ids),
+            reservation.num_cached_tokens // self._layout.block_size,
+            self._transfer_timeout_s,
+        )
+        try:
+            stream = self._loop.add(request, push)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: self._loop.abort(request.request_id))  # no-op once finished
+        delta = stream.get()
+        if delta.finish_reason == "abort":
+            context.abort(grpc.StatusCode.ABORTED, delta.error or f"request {request.request_id!r} was aborted")
+        assert delta.finish_reason is not None and len(delta.token_ids) == 1
+        logprob = delta.logprobs[0] if delta.logprobs else None
+        elapsed = time.monotonic() - arrival
+        return pb.PrefillResponse(
+            first_token=first_token_to_proto(delta.token_ids[0], logprob),
+            transfer_status=_STATUS.get(push.status, pb.TRANSFER_FAILED),
+            transfer_error=push.error or "",
+            num_blocks_sent=push.num_blocks_sent,
+            queue_s=delta.queue_s,
+            compute_s=max(0.0, elapsed - delta.queue_s - push.transfer_s),
+            transfer_s=push.transfer_s,
+            num_cached_tokens=delta.num_cached_tokens,
+        )
+
+    def Abort(self, msg: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(found=self._loop.abort(msg.request_id))
+
+    def Stats(self, msg: pb.StatsRequest, context: grpc.ServicerContext) -> pb.WorkerStats:
+        stats = self._loop.call(lambda core: core.stats())
+        return worker_stats_to_proto(stats, "prefill", self._layout.block_size, self._layout.model, "")

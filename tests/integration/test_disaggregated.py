@@ -1,0 +1,253 @@
+"""The real cluster on loopback: 2 prefill + 2 decode processes and a router, over UCX and
+over torch.distributed (gloo). Disaggregated greedy output equals colocated output, which
+the correctness tests hold equal to HF; aborts, disconnects, leases and failed hand-offs
+leave every instance's block pool as it was."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.client import Client
+from cluster.local import LocalCluster
+from engine import LLM, SamplingParams
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.rpc import make_channel
+
+pytestmark = pytest.mark.slow
+
+CONFIG = Path(__file__).with_name("cluster.yaml")
+
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(arr):",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "Explain what a paged KV cache is. " * 6,
+    "Once upon a time in a land far away, there lived a " * 12,
+    "The quick brown fox",
+    "Translate to French: I love programming and long walks on the beach. " * 3,
+    "Q: What is 17 * 3? A:",
+    "Here is a list of fruits: apple, banana, " * 20,
+    "In 1492,",
+    "The mitochondria is",
+    "import numpy as np\n" * 30,
+    "Dear hiring manager,",
+    "Roses are red, violets are blue,",
+    "Summarize: The engine schedules requests under a token budget. " * 9,
+]
+
+
+@pytest.fixture(scope="module", params=["ucx", "nccl"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    if request.param == "ucx":
+        pytest.importorskip("ucxx")
+    local = LocalCluster.from_yaml(CONFIG, transport=request.param)
+    local.log_dir = tmp_path_factory.mktemp(f"cluster-{request.param}")
+    with local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    c = Client(cluster.router_address)
+    yield c
+    c.close()
+
+
+def _worker_stubs(cluster: LocalCluster) -> list[tuple[str, object]]:
+    stubs: list[tuple[str, object]] = []
+    for i, address in enumerate(cluster.prefill_addresses):
+        stubs.append((f"prefill-{i}", pb_grpc.PrefillWorkerStub(make_channel(address, cluster.token))))
+    for i, address in enumerate(cluster.decode_addresses):
+        stubs.append((f"decode-{i}", pb_grpc.DecodeWorkerStub(make_channel(address, cluster.token))))
+    return stubs
+
+
+def _assert_blocks_return(cluster: LocalCluster, timeout_s: float = 20.0) -> None:
+    """Every instance's pool back to all-free (cached blocks count as free), nothing queued."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = {}
+        for name, stub in _worker_stubs(cluster):
+            s = stub.Stats(pb.StatsRequest(), timeout=5)  # type: ignore[attr-defined]
+            if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_waiting or s.num_transferring:
+                busy[name] = (s.num_free_blocks, s.num_total_blocks, s.num_running, s.num_waiting, s.num_transferring)
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"blocks not returned (free, total, running, waiting, transferring): {busy}"
+        time.sleep(0.2)
+
+
+def _colocated(smollm2: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+
+
+def test_concurrent_requests_equal_colocated(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    max_tokens = 12
+    expected = _colocated(smollm2, PROMPTS, max_tokens)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(
+            lambda p: client.generate(text=p, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout_s=300),
+            PROMPTS,
+        ))
+    assert [r.token_ids for r in results] == expected
+    for result in results:
+        assert result.finish_reason == "length"
+        assert result.timings is not None and not result.timings.recomputed
+        assert result.timings.num_kv_blocks_sent > 0
+        assert result.usage is not None and result.usage.completion_tokens == max_tokens
+    # Text arrives streamed and whole: it decodes to what the tokens say.
+    tokenizer = smollm2.get_tokenizer()
+    assert results[0].text == tokenizer.decode(results[0].token_ids, skip_special_tokens=True)
+    _assert_blocks_return(cluster)
+
+
+def test_chat_and_stop_string(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    chat = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["five"])
+    expected = smollm2.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    result = client.generate(chat=chat, max_tokens=40, temperature=0, stop=["five"], timeout_s=300)
+    assert result.text == expected.text
+    assert result.finish_reason == expected.finish_reason
+
+
+def test_decode_prefix_hit_sends_only_missing_blocks(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    shared = "You are a careful assistant who answers in full sentences. " * 8
+    prompts = [shared + "Question: what is a cat?", shared + "Question: what is a dog?"]
+    expected = _colocated(smollm2, prompts, 8)
+    # Two runs of the same prompt pair: the second finds the prefix on whichever decode took it.
+    first = [client.generate(text=p, max_tokens=8, temperature=0, ignore_eos=True) for p in prompts]
+    second = [client.generate(text=p, max_tokens=8, temperature=0, ignore_eos=True) for p in prompts]
+    assert [r.token_ids for r in first] == expected
+    assert [r.token_ids for r in second] == expected
+    num_prompt_blocks = [-(-r.usage.prompt_tokens // 16) for r in second]  # type: ignore[union-attr]
+    hits = [r for r, n in zip(second, num_prompt_blocks, strict=True) if r.usage.cached_tokens > 0]  # type: ignore[union-attr]
+    assert hits, "no request found its prefix cached on the decode side"
+    for r in hits:
+        assert r.timings.num_kv_blocks_sent == -(-r.usage.prompt_tokens // 16) - r.usage.cached_tokens // 16  # type: ignore[union-attr]
+
+
+def test_abort_and_disconnect_free_blocks(cluster: LocalCluster, client: Client) -> None:
+    # Client disconnect: cancel the stream after two pieces.
+    stream = client.stream(text="Tell me a very long story.", max_tokens=400, ignore_eos=True, temperature=0)
+    for i, _ in enumerate(stream):
+        if i == 1:
+            stream.cancel()  # type: ignore[attr-defined]
+            break
+    # Abort RPC from another call.
+    pieces: list[pb.GenerateResponse] = []
+    errors: list[grpc.RpcError] = []
+
+    def consume() -> None:
+        try:
+            pieces.extend(client.stream(text="Another long story.", request_id="abort-me", max_tokens=400, ignore_eos=True))
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not pieces and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.abort("abort-me")
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    ended = errors or [p for p in pieces if p.finish_reason == "abort"]
+    assert ended, "an aborted stream must end"
+    assert not client.abort("abort-me")  # idempotent: it is gone
+    _assert_blocks_return(cluster)
+
+
+def test_lease_expiry_frees_blocks(cluster: LocalCluster) -> None:
+    stub = pb_grpc.DecodeWorkerStub(make_channel(cluster.decode_addresses[0], cluster.token))
+    request = pb.WorkerRequest(request_id="lease", prompt_token_ids=list(range(1, 200)))
+    reservation = stub.Reserve(pb.ReserveRequest(request=request, lease_s=0.5), timeout=10)
+    assert len(reservation.block_ids) == -(-199 // 16)
+    _assert_blocks_return(cluster)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Decode(pb.DecodeRequest(request_id="lease"), timeout=10))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_worker_rejects_calls_without_the_cluster_token(cluster: LocalCluster) -> None:
+    stub = pb_grpc.DecodeWorkerStub(make_channel(cluster.decode_addresses[0], token="wrong"))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Stats(pb.StatsRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_layout_mismatch_is_named_and_decode_recomputes(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    decode = pb_grpc.DecodeWorkerStub(make_channel(cluster.decode_addresses[0], cluster.token))
+    prefill = pb_grpc.PrefillWorkerStub(make_channel(cluster.prefill_addresses[0], cluster.token))
+    prompt = smollm2.get_tokenizer().encode("The largest planet in the solar system is")
+    params = pb.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    request = pb.WorkerRequest(request_id="mismatch", prompt_token_ids=prompt, sampling_params=params)
+    reservation = decode.Reserve(pb.ReserveRequest(request=request), timeout=10)
+    reservation.layout.block_size = 32
+    reply = prefill.Prefill(pb.PrefillRequest(request=request, reservation=reservation), timeout=60)
+    assert reply.transfer_status == pb.TRANSFER_FAILED
+    assert "block_size" in reply.transfer_error and "16" in reply.transfer_error and "32" in reply.transfer_error
+    # Decode was told nothing arrived: it computes the prompt itself, same tokens.
+    pieces = list(decode.Decode(pb.DecodeRequest(request_id="mismatch"), timeout=60))
+    tokens = [t for p in pieces for t in p.token_ids]
+    assert tokens == _colocated(smollm2, ["The largest planet in the solar system is"], 6)[0]
+    _assert_blocks_return(cluster)
+
+
+def test_kv_that_never_lands_is_recomputed(cluster: LocalCluster, smollm2: LLM) -> None:
+    decode = pb_grpc.DecodeWorkerStub(make_channel(cluster.decode_addresses[1], cluster.token))
+    text = "A short poem about autumn:"
+    prompt = smollm2.get_tokenizer().encode(text)
+    request = pb.WorkerRequest(
+        request_id="never-lands", prompt_token_ids=prompt,
+        sampling_params=pb.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )
+    decode.Reserve(pb.ReserveRequest(request=request), timeout=10)
+    # Prefill "reported" a first token, but no KV ever arrives.
+    pieces = list(decode.Decode(pb.DecodeRequest(
+        request_id="never-lands", first_token=pb.TokenLogprob(token_id=5), transfer_timeout_s=0.5), timeout=60))
+    assert pieces[0].timings.recomputed
+    assert [t for p in pieces for t in p.token_ids] == _colocated(smollm2, [text], 6)[0]
+    _assert_blocks_return(cluster)
+
+
+def test_bad_request_fails_alone(cluster: LocalCluster, client: Client) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(text="hi", max_tokens=8, top_p=0.0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in (info.value.details() or "")
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(token_ids=[1] * 5000, max_tokens=8)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in (info.value.details() or "")
+    assert client.generate(text="Still serving?", max_tokens=2).usage.completion_tokens == 2  # type: ignore[union-attr]
+    assert [m.id for m in client.list_models()] == ["smollm2-135m-instruct"]
+
+
+def test_dead_prefill_leads_to_recompute(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    """Runs last in the module: it kills both prefill processes mid-request."""
+    text = "Describe the water cycle in detail. " * 40
+    expected = _colocated(smollm2, [text], 8)[0]
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(
+        client.generate(text=text, max_tokens=8, temperature=0, ignore_eos=True, timeout_s=300)))
+    thread.start()
+    stubs = [s for n, s in _worker_stubs(cluster) if n.startswith("prefill")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(s.Stats(pb.StatsRequest(), timeout=5).num_running for s in stubs):  # type: ignore[attr-defined]
+            break
+        time.sleep(0.01)
+    for i in range(len(cluster.prefill_addresses)):
+        cluster.kill(f"prefill-{i}")
+    thread.join(timeout=300)
+    completion = result[0]
+    assert completion.token_ids == expected  # type: ignore[attr-defined]
+    assert completion.timings.recomputed  # type: ignore[attr-defined]
