@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m cluster.cli chat-once --config configs/local.yaml
+	$(BIN)/python -m cluster.cli serve --config configs/local.yaml --once
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

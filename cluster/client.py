@@ -54,7 +54,7 @@ class Client:
             request.token_ids.ids.extend(token_ids)
         elif chat is not None:
             request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
-        return self.stub.Generate(request, timeout=timeout_s)  # type: ignore[no-any-return]
+        return self.stub.Generate(request, timeout=timeout_s)
 
     def generate(self, **kwargs: Any) -> Completion:
         """The whole completion; raises grpc.RpcError with the server's message on failure."""

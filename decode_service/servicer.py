@@ -37,6 +37,7 @@ from proto.convert import (
     sampled_token_from_proto,
     worker_stats_to_proto,
 )
+from proto.rpc import abort
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +70,14 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         try:
             request = request_from_proto(self._loop.core, msg.request)
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         lease_s = msg.lease_s or self._default_lease_s
         try:
             result = self._loop.reserve(request, lease_s)
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if result is None:
-            context.abort(
+            abort(context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no room for {request.num_prompt_tokens} prompt tokens in this decode instance's "
                 "KV cache right now: try another instance or retry later",
@@ -103,7 +104,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         with self._lock:
             reserved = self._streams.pop(request_id, None)
         if reserved is None:
-            context.abort(
+            abort(context,
                 grpc.StatusCode.NOT_FOUND,
                 f"no reservation for request {request_id!r}: it expired, was released, or was never made",
             )
@@ -121,7 +122,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             elif msg.on_transfer_failure == pb.FAILURE_POLICY_FAIL:
                 error = f"the KV cache of request {request_id!r} did not arrive ({status.name}) within {timeout_s:.1f}s"
                 self._loop.abort(request_id, error)
-                context.abort(grpc.StatusCode.UNAVAILABLE, error)
+                abort(context, grpc.StatusCode.UNAVAILABLE, error)
             else:
                 logger.warning("KV of %s did not arrive (%s); computing the prompt here", request_id, status.name)
                 recomputed = True
@@ -130,7 +131,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self._receiver.cancel(request_id)  # landed or given up: nothing more may arrive
         transfer_s = time.monotonic() - start
         if not self._loop.land(request_id, first_token):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"request {request_id!r} was aborted before decoding started")
+            abort(context, grpc.StatusCode.NOT_FOUND, f"request {request_id!r} was aborted before decoding started")
         landed = time.monotonic()
         first = True
         for delta in stream:
@@ -141,7 +142,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 response.timings.recomputed = recomputed
                 first = False
             if delta.finish_reason == "abort" and delta.error:
-                context.abort(grpc.StatusCode.ABORTED, delta.error)
+                abort(context, grpc.StatusCode.ABORTED, delta.error)
             yield response
 
     def Release(self, msg: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

@@ -24,6 +24,7 @@ from prefill_service.push import ReservationPush
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import first_token_to_proto, request_from_proto, worker_stats_to_proto
+from proto.rpc import abort
 
 _STATUS = {TransferStatus.DONE: pb.TRANSFER_DONE, None: pb.TRANSFER_SKIPPED}
 
@@ -40,7 +41,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         try:
             request = request_from_proto(self._loop.core, msg.request)
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reservation = msg.reservation
         mismatches = self._layout.mismatches(KVLayout.from_proto(reservation.layout))
         if mismatches:
@@ -60,11 +61,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         try:
             stream = self._loop.add(request, push)
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self._loop.abort(request.request_id))  # no-op once finished
         delta = stream.get()
         if delta.finish_reason == "abort":
-            context.abort(grpc.StatusCode.ABORTED, delta.error or f"request {request.request_id!r} was aborted")
+            abort(context, grpc.StatusCode.ABORTED, delta.error or f"request {request.request_id!r} was aborted")
         assert delta.finish_reason is not None and len(delta.token_ids) == 1
         logprob = delta.logprobs[0] if delta.logprobs else None
         elapsed = time.monotonic() - arrival

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -115,3 +115,9 @@ def check_health(channel: grpc.Channel, service: str = "", timeout_s: float = 1.
     except grpc.RpcError:
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with `code` and a message that says what to change."""
+    context.abort(code, message)
+    raise AssertionError("grpc's context.abort returned")  # it raises; this tells type checkers

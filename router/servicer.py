@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -32,6 +33,7 @@ from engine.tokenizer import apply_chat_template
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import sampling_params_from_proto
+from proto.rpc import abort
 from router.config import RouterConfig
 from router.handoff import Handoff, HandoffState
 from router.policy import rank, should_skip_prefill
@@ -63,7 +65,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         handoff = Handoff(request.request_id)
         with self._lock:
             if request.request_id in self._active:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is in flight: use a unique id")
+                abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is in flight: use a unique id")
             self._active[request.request_id] = handoff
         context.add_callback(lambda: handoff.abort("the client went away"))
         timer = None
@@ -98,7 +100,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             timings.router_s = time.monotonic() - arrival
             first_token = self._prefill(handoff, request, reservation, timings, context)
             if not handoff.advance(HandoffState.DECODING):
-                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
             call = decode.stub.Decode(
                 pb.DecodeRequest(
                     request_id=request.request_id,
@@ -126,20 +128,19 @@ class RouterServicer(pb_grpc.GenerationServicer):
             except grpc.RpcError as e:
                 self._registry.release(instance)
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    context.abort(e.code(), e.details())
+                    abort(context, e.code(), e.details())
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._registry.mark_unhealthy(instance)
                 if e.code() not in _RETRYABLE:
-                    context.abort(e.code(), f"{name}: {e.details()}")
+                    abort(context, e.code(), f"{name}: {e.details()}")
                 last_error = f"{name}: {e.details()}"
                 continue
-            handoff.on_abort(lambda s=instance.stub: s.Release(pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
+            handoff.on_abort(partial(instance.stub.Release, pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
             if not handoff.advance(HandoffState.RESERVED):
                 self._registry.release(instance)
-                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
             return instance, reservation
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no decode instance can take this request now ({last_error}); retry later")
-        raise AssertionError("unreachable")
+        abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"no decode instance can take this request now ({last_error}); retry later")
 
     def _prefill(
         self,
@@ -160,7 +161,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         instance = self._registry.acquire(names[0])
         try:
             if not handoff.advance(HandoffState.PREFILLING):
-                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
             future = instance.stub.Prefill.future(
                 pb.PrefillRequest(request=request, reservation=reservation), timeout=self._config.prefill_timeout_s
             )
@@ -169,11 +170,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
             try:
                 reply = future.result()
             except grpc.FutureCancelledError:
-                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     handoff.abort(e.details() or "invalid request")
-                    context.abort(e.code(), e.details())
+                    abort(context, e.code(), e.details())
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._registry.mark_unhealthy(instance)
                 return self._prefill_failed(handoff, timings, context, f"{instance.name}: {e.code().name} {e.details()}")
@@ -186,15 +187,16 @@ class RouterServicer(pb_grpc.GenerationServicer):
         if reply.transfer_status not in (pb.TRANSFER_DONE, pb.TRANSFER_SKIPPED):
             return self._prefill_failed(handoff, timings, context, f"{instance.name}: KV transfer failed: {reply.transfer_error}")
         if not handoff.advance(HandoffState.TRANSFERRED):
-            context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+            abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
         return reply.first_token
 
     def _prefill_failed(
         self, handoff: Handoff, timings: pb.Timings, context: grpc.ServicerContext, error: str
-    ) -> None:
+    ) -> pb.TokenLogprob | None:
+        """Fail the request (policy `fail`) or let decode compute the prompt (`recompute`)."""
         if self._config.on_transfer_failure == "fail":
             handoff.abort(error)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {error}")
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill failed: {error}")
         logger.warning("%s: prefill failed (%s); decode computes the prompt", handoff.request_id, error)
         timings.recomputed = True
         return None
@@ -220,20 +222,20 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 yield response
         except grpc.RpcError as e:
             if handoff.state == HandoffState.ABORTED:
-                context.abort(grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
             handoff.abort(f"decode failed: {e.details()}")
-            context.abort(e.code(), f"decode failed: {e.details()}")
+            abort(context, e.code(), f"decode failed: {e.details()}")
 
     # ---- helpers
 
     def _worker_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.WorkerRequest:
         if msg.model and msg.model != self._model_name:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"model {msg.model!r} is not served here; this cluster serves {self._model_name!r}")
+            abort(context, grpc.StatusCode.NOT_FOUND, f"model {msg.model!r} is not served here; this cluster serves {self._model_name!r}")
         try:
             sampling_params_from_proto(msg.sampling_params)  # validate here, with a clear message
             prompt = self._tokenize(msg)
         except (InvalidRequestError, ModelLoadError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.WorkerRequest(
             request_id=msg.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt,
@@ -261,5 +263,5 @@ class RouterServicer(pb_grpc.GenerationServicer):
             return self._turn
 
 
-def _failure_policy(name: str) -> int:
+def _failure_policy(name: str) -> pb.FailurePolicy:
     return pb.FAILURE_POLICY_FAIL if name == "fail" else pb.FAILURE_POLICY_RECOMPUTE
