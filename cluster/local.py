@@ -30,7 +30,7 @@ import yaml
 from engine.errors import ConfigError
 
 TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # same name the services read (proto.worker_main)
-TRANSPORTS = ("ucx", "nccl", "local")
+TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
 
 
 @dataclass(slots=True)
@@ -39,7 +39,7 @@ class ClusterConfig:
 
     num_prefill: int = 1
     num_decode: int = 1
-    transport: str = "ucx"  # ucx | nccl (gloo on CPU) | local (one process only: tests)
+    transport: str = "ucx"  # ucx | nccl (gloo on CPU) | cuda_ipc (processes sharing a GPU node)
     host: str = "127.0.0.1"
     num_threads: int | None = None  # torch threads per instance; None: the engine's setting
     startup_timeout_s: float = 300.0
@@ -47,10 +47,8 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ConfigError("cluster: num_decode must be >= 1 and num_prefill >= 0")
-        if self.transport not in ("ucx", "nccl"):
-            raise ConfigError(
-                f"cluster.transport: {self.transport!r} must be 'ucx' or 'nccl' for separate processes"
-            )
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"cluster.transport: {self.transport!r} must be one of {TRANSPORTS}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ClusterConfig:

@@ -1,1 +1,100 @@
-"""Filled by its issue; see ../shared/ARCHITECTURE.md."""
+"""KV cache transfer between prefill and decode engines: protocols and backends.
+
+Backends: "ucx" (ucxx), "nccl" (torch.distributed point-to-point; gloo on CPU caches),
+"cuda_ipc" (processes on one GPU node: the sender writes into the receiver's mapped cache),
+"local" (in-process, for tests). The ucx and nccl backends are imported on first use, so
+a process that only uses one of them never loads the other's library.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from kv_transfer.base import (
+    KVLayout,
+    KVLayoutMismatch,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferStatus,
+)
+from kv_transfer.local import LocalReceiver, LocalSender
+
+__all__ = [
+    "BACKENDS",
+    "KVLayout",
+    "KVLayoutMismatch",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "LocalReceiver",
+    "LocalSender",
+    "TransferStatus",
+    "make_receiver",
+    "make_sender",
+]
+
+BACKENDS = ("ucx", "nccl", "cuda_ipc", "local")
+
+_local_names = itertools.count()
+
+
+def backend_of(endpoint_or_backend: str) -> str:
+    """The backend named by "ucx" or by "ucx://HOST:PORT"; raises ValueError if unknown."""
+    backend = endpoint_or_backend.partition("://")[0]
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown KV transfer backend {endpoint_or_backend!r}; use one of {', '.join(BACKENDS)}"
+        )
+    return backend
+
+
+def make_receiver(
+    backend: str,
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVLayout,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> KVReceiver:
+    """A receiver for `backend`, listening on host:port (port 0: any free port; see its
+    `endpoint`). A local receiver takes a fresh name instead."""
+    backend = backend_of(backend)
+    if backend == "ucx":
+        from kv_transfer.ucx import UcxReceiver
+
+        return UcxReceiver(kv_caches, layout, host, port)
+    if backend == "nccl":
+        from kv_transfer.torch_dist import TorchDistReceiver
+
+        return TorchDistReceiver(kv_caches, layout, host, port)
+    if backend == "cuda_ipc":
+        from kv_transfer.cuda_ipc import CudaIpcReceiver
+
+        return CudaIpcReceiver(kv_caches, layout, host, port)
+    return LocalReceiver(kv_caches, layout, name=f"receiver-{next(_local_names)}")
+
+
+def make_sender(
+    endpoint_or_backend: str,
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVLayout,
+    sender_id: str,
+) -> KVSender:
+    """A sender for a backend, named directly ("ucx") or by an endpoint ("ucx://HOST:PORT")."""
+    backend = backend_of(endpoint_or_backend)
+    if backend == "ucx":
+        from kv_transfer.ucx import UcxSender
+
+        return UcxSender(kv_caches, layout, sender_id)
+    if backend == "nccl":
+        from kv_transfer.torch_dist import TorchDistSender
+
+        return TorchDistSender(kv_caches, layout, sender_id)
+    if backend == "cuda_ipc":
+        from kv_transfer.cuda_ipc import CudaIpcSender
+
+        return CudaIpcSender(kv_caches, layout, sender_id)
+    return LocalSender(kv_caches, layout, sender_id)

@@ -1,6 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -56,3 +57,31 @@ class KVChunkHeader(_message.Message):
     num_blocks: int
     num_bytes: int
     def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcTensor(_message.Message):
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offset")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
+
+class CudaIpcExport(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[CudaIpcTensor]
+    def __init__(self, layers: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...

@@ -31,7 +31,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
     parser.add_argument("--kv-host", default="127.0.0.1", help="KV transfer listen address")
     parser.add_argument("--kv-port", type=int, default=0)
-    parser.add_argument("--transport", default="ucx", choices=["ucx", "nccl", "local"])
+    parser.add_argument("--transport", default="ucx", choices=["ucx", "nccl", "cuda_ipc"])
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (overrides the config)")
     parser.add_argument("--ready-file", type=Path, default=None,

@@ -1,0 +1,367 @@
+"""cuda_ipc backend: prefill and decode on the same GPU (or GPUs of one node), as separate
+processes. The sender maps the receiver's KV cache tensors through CUDA IPC handles and
+writes the blocks itself with device-to-device copies; a TCP connection carries only
+control messages (handshake, handles, "landed" notices, cancels), never tensor bytes.
+
+Lifecycle of a transfer:
+  1. The receiver listens on host:port (TCP). A sender's first push to it connects and
+     sends `Handshake{layout}`; the receiver answers `HandshakeReply` and, when accepted,
+     `CudaIpcExport` (one IPC handle per layer). The sender maps those tensors once.
+  2. `expect(tid, block_ids)` on the receiver marks the transfer PENDING.
+  3. `push_layer` on the sender queues the copies of each run of blocks on its copy
+     stream, after an event recorded on the compute stream (the layer's KV is written).
+  4. A notifier thread waits for the copies, sends one `KVChunkHeader` per run ("landed"),
+     and counts the sends done (`wait` on the sender returns DONE).
+  5. The receiver marks each landed run; once all have, the transfer is DONE.
+  6. `cancel(tid)` of a PENDING transfer asks every connected sender to stop writing for
+     it and waits for their acknowledgement (sent after their copy stream drained), so
+     no write lands in the blocks after cancel returns.
+Frames: 1 byte kind, 4 bytes little-endian length, payload (protobuf or a transfer id).
+Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_transfer.base import KVLayout, KVTransferError, TransferStatus
+from kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
+from proto import kv_transfer_pb2 as kvpb
+
+logger = logging.getLogger(__name__)
+
+_HANDSHAKE, _REPLY, _EXPORT, _LANDED, _CANCEL, _CANCEL_ACK = range(1, 7)
+_FRAME = struct.Struct("<BI")
+_CANCEL_TIMEOUT_S = 10.0
+_MAX_CANCELLED = 4096
+
+
+def _send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
+    sock.sendall(_FRAME.pack(kind, len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+    kind, length = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
+    return kind, _recv_exact(sock, length)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Close a socket so that a thread blocked on it wakes up (close alone does not)."""
+    with contextlib.suppress(OSError):  # not connected (a listener) or already closed
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _export(tensor: torch.Tensor) -> kvpb.CudaIpcTensor:
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
+        tensor.untyped_storage()._share_cuda_()
+    )
+    return kvpb.CudaIpcTensor(
+        device=device,
+        handle=handle,
+        storage_size_bytes=size_bytes,
+        storage_offset_bytes=offset_bytes,
+        ref_counter_handle=ref_handle,
+        ref_counter_offset=ref_offset,
+        event_handle=event_handle or b"",
+        event_sync_required=event_sync,
+        tensor_offset=int(tensor.storage_offset()),
+    )
+
+
+def _import(msg: kvpb.CudaIpcTensor, like: torch.Tensor) -> torch.Tensor:
+    """The receiver's tensor, mapped here; shaped and typed like our own cache layer."""
+    storage = torch.UntypedStorage._new_shared_cuda(
+        msg.device,
+        msg.handle,
+        msg.storage_size_bytes,
+        msg.storage_offset_bytes,
+        msg.ref_counter_handle,
+        msg.ref_counter_offset,
+        msg.event_handle or None,
+        msg.event_sync_required,
+    )
+    out = torch.empty(0, dtype=like.dtype, device=torch.device("cuda", msg.device))
+    return out.set_(storage, msg.tensor_offset, like.shape, like.stride())
+
+
+# --------------------------------------------------------------------------- receiver
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    acks: dict[str, threading.Event] = field(default_factory=dict)
+
+
+class CudaIpcReceiver:
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        if not kv_caches[0].is_cuda:
+            raise KVTransferError(
+                "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
+            )
+        self._table = ReceiveTable(kv_caches, layout)
+        self._export = kvpb.CudaIpcExport(
+            layers=[_export(t) for t in kv_caches]
+        ).SerializeToString()
+        self._server = socket.create_server((host, port))
+        self.endpoint = f"cuda_ipc://{host}:{self._server.getsockname()[1]}"
+        self._conns: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="cuda-ipc-accept", daemon=True).start()
+
+    def expect(self, transfer_id: str, block_ids: list[int]) -> None:
+        self._table.expect(transfer_id, block_ids)
+
+    def status(self, transfer_id: str) -> TransferStatus:
+        return self._table.status(transfer_id)
+
+    def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
+        return self._table.wait(transfer_id, timeout_s)
+
+    def cancel(self, transfer_id: str) -> None:
+        pending = self._table.status(transfer_id) == TransferStatus.PENDING
+        self._table.cancel(transfer_id)  # landed notices for it are ignored from now on
+        if not pending:
+            return  # DONE, FAILED or unknown: no copy of it can still be in flight
+        with self._lock:
+            conns = list(self._conns)
+        waits = []
+        for conn in conns:
+            event = threading.Event()
+            try:
+                with conn.lock:
+                    conn.acks[transfer_id] = event
+                    _send_frame(conn.sock, _CANCEL, transfer_id.encode())
+                waits.append(event)
+            except OSError:
+                continue  # that sender is gone, and its GPU work with it
+        for event in waits:
+            if not event.wait(_CANCEL_TIMEOUT_S):
+                logger.error(
+                    "a sender did not confirm the cancel of %s in %.0fs",
+                    transfer_id,
+                    _CANCEL_TIMEOUT_S,
+                )
+
+    def close(self) -> None:
+        self._closed = True
+        _shut(self._server)  # wakes the accept() thread
+        with self._lock:
+            for conn in self._conns:
+                _shut(conn.sock)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(
+                target=self._serve, args=(_Conn(sock),), name="cuda-ipc-recv", daemon=True
+            ).start()
+
+    def _serve(self, conn: _Conn) -> None:
+        try:
+            kind, payload = _recv_frame(conn.sock)
+            if kind != _HANDSHAKE:
+                raise KVTransferError(f"expected a handshake, got frame kind {kind}")
+            reply = self._table.answer_handshake(kvpb.Handshake.FromString(payload))
+            with conn.lock:
+                _send_frame(conn.sock, _REPLY, reply.SerializeToString())
+                if not reply.accepted:
+                    return
+                _send_frame(conn.sock, _EXPORT, self._export)
+            with self._lock:
+                self._conns.append(conn)
+            while True:
+                kind, payload = _recv_frame(conn.sock)
+                if kind == _LANDED:
+                    header = kvpb.KVChunkHeader.FromString(payload)
+                    self._table.check_header(header)
+                    if self._table.begin_chunk(header) is not None:
+                        self._table.end_chunk(header, landed=True)
+                elif kind == _CANCEL_ACK:
+                    with conn.lock:
+                        event = conn.acks.pop(payload.decode(), None)
+                    if event is not None:
+                        event.set()
+                else:
+                    raise KVTransferError(f"unexpected frame kind {kind}")
+        except (OSError, ConnectionError, KVTransferError) as e:
+            if not self._closed:
+                logger.info("cuda_ipc sender connection closed: %s", e)
+        finally:
+            with self._lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+            with conn.lock:
+                for event in conn.acks.values():
+                    event.set()  # a dead sender writes nothing more
+            conn.sock.close()
+
+
+# --------------------------------------------------------------------------- sender
+
+
+class _Peer:
+    def __init__(self, endpoint: str, handshake: bytes, kv_caches: Sequence[torch.Tensor]) -> None:
+        host, _, port = endpoint.removeprefix("cuda_ipc://").rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.lock = threading.Lock()
+        _send_frame(self.sock, _HANDSHAKE, handshake)
+        kind, payload = _recv_frame(self.sock)
+        reply = kvpb.HandshakeReply.FromString(payload)
+        if kind != _REPLY or not reply.accepted:
+            self.sock.close()
+            raise KVTransferError(reply.error or f"{endpoint} refused the handshake")
+        kind, payload = _recv_frame(self.sock)
+        export = kvpb.CudaIpcExport.FromString(payload)
+        self.sock.settimeout(None)
+        self.remote = [
+            _import(msg, like) for msg, like in zip(export.layers, kv_caches, strict=True)
+        ]
+
+
+class CudaIpcSender:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str) -> None:
+        if not kv_caches[0].is_cuda:
+            raise KVTransferError(
+                "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
+            )
+        self._kv_caches = list(kv_caches)
+        self._handshake = kvpb.Handshake(
+            layout=layout.to_proto(), sender_id=sender_id
+        ).SerializeToString()
+        self._table = SendTable()
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # the latest cancels only
+        self._stream = torch.cuda.Stream(kv_caches[0].device)
+        self._landed: queue.Queue[
+            tuple[_Peer, str, list[kvpb.KVChunkHeader], torch.cuda.Event] | None
+        ] = queue.Queue()
+        self._notifier = threading.Thread(target=self._notify, name="cuda-ipc-notify", daemon=True)
+        self._notifier.start()
+
+    def push_layer(
+        self,
+        endpoint: str,
+        transfer_id: str,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+    ) -> None:
+        chunks = plan_chunks(self._kv_caches, transfer_id, layer, src_block_ids, dst_block_ids)
+        self._table.add(transfer_id, 1)
+        try:
+            peer = self._peer(endpoint)
+        except (OSError, KVTransferError) as e:
+            self._table.fail(transfer_id, f"cannot reach {endpoint}: {e}")
+            return
+        with self._lock:
+            if transfer_id in self._cancelled:
+                self._table.fail(
+                    transfer_id, f"transfer {transfer_id!r} was cancelled by the receiver"
+                )
+                return
+            with torch.cuda.stream(self._stream):
+                if chunks and chunks[0].ready is not None:
+                    self._stream.wait_event(chunks[0].ready)
+                for chunk in chunks:
+                    h = chunk.header
+                    peer.remote[layer][h.dst_block_start : h.dst_block_start + h.num_blocks].copy_(
+                        chunk.payload, non_blocking=True
+                    )
+                done = torch.cuda.Event()
+                done.record(self._stream)
+        self._landed.put((peer, transfer_id, [c.header for c in chunks], done))
+
+    def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
+        return self._table.wait(transfer_id, timeout_s)
+
+    def error(self, transfer_id: str) -> str | None:
+        return self._table.error(transfer_id)
+
+    def close(self) -> None:
+        self._landed.put(None)
+        self._notifier.join(timeout=10)
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            _shut(peer.sock)
+            peer.remote.clear()  # unmap the receiver's cache before the process goes
+
+    def _peer(self, endpoint: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                peer = _Peer(endpoint, self._handshake, self._kv_caches)
+                self._peers[endpoint] = peer
+                threading.Thread(
+                    target=self._listen, args=(peer,), name="cuda-ipc-cancels", daemon=True
+                ).start()
+            return peer
+
+    def _notify(self) -> None:
+        while (item := self._landed.get()) is not None:
+            peer, transfer_id, headers, done = item
+            done.synchronize()
+            try:
+                with peer.lock:
+                    for header in headers:
+                        _send_frame(peer.sock, _LANDED, header.SerializeToString())
+                self._table.done(transfer_id)
+            except OSError as e:
+                self._table.fail(transfer_id, f"lost the connection to the receiver: {e}")
+
+    def _listen(self, peer: _Peer) -> None:
+        """Cancels from the receiver: stop writing for that transfer, drain, acknowledge."""
+        try:
+            while True:
+                kind, payload = _recv_frame(peer.sock)
+                if kind != _CANCEL:
+                    raise KVTransferError(f"unexpected frame kind {kind} from the receiver")
+                transfer_id = payload.decode()
+                with self._lock:
+                    self._cancelled[transfer_id] = None
+                    while len(self._cancelled) > _MAX_CANCELLED:
+                        self._cancelled.popitem(last=False)
+                    self._stream.synchronize()  # every copy queued so far has landed
+                with peer.lock:
+                    _send_frame(peer.sock, _CANCEL_ACK, payload)
+        except (OSError, ConnectionError, KVTransferError):
+            with self._lock:
+                for endpoint, known in list(self._peers.items()):
+                    if known is peer:
+                        del self._peers[endpoint]

@@ -1,0 +1,32 @@
+"""The sending side of the cuda_ipc tests, in its own process (CUDA IPC handles cannot be
+opened by the process that made them): `python -m tests.kv_transfer.cuda_ipc_sender
+ENDPOINT TRANSFER_ID LAYOUT_BLOCK_SIZE`. Pushes every layer of blocks [0, 1, 2, 5, 6] into
+[7, 8, 9, 3, 4] and prints the outcome."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from kv_transfer.base import KVLayout, TransferStatus
+from kv_transfer.cuda_ipc import CudaIpcSender
+from tests.kv_transfer.caches import MODEL, random_caches
+
+
+def main() -> None:
+    endpoint, transfer_id, block_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    caches = [c.cuda() for c in random_caches(seed=1, block_size=block_size)]
+    sender = CudaIpcSender(caches, KVLayout.from_kv_caches(caches, MODEL), "ipc-prefill")
+    for layer in range(len(caches)):
+        sender.push_layer(endpoint, transfer_id, layer, [0, 1, 2, 5, 6], [7, 8, 9, 3, 4])
+    status = sender.wait(transfer_id, 30.0)
+    print("sent" if status == TransferStatus.DONE else f"failed: {sender.error(transfer_id)}", flush=True)
+    torch.cuda.synchronize()
+    sender.close()
+    os._exit(0)  # skip interpreter teardown: torch's IPC bookkeeping threads may still run
+
+
+if __name__ == "__main__":
+    main()
