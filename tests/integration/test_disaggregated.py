@@ -5,6 +5,10 @@ leave every instance's block pool as it was."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +19,7 @@ import grpc
 import pytest
 
 from cluster.client import Client
-from cluster.local import LocalCluster
+from cluster.local import TOKEN_ENV, LocalCluster
 from engine import LLM, SamplingParams
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -229,6 +233,34 @@ def test_bad_request_fails_alone(cluster: LocalCluster, client: Client) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in (info.value.details() or "")
     assert client.generate(text="Still serving?", max_tokens=2).usage.completion_tokens == 2  # type: ignore[union-attr]
     assert [m.id for m in client.list_models()] == ["smollm2-135m-instruct"]
+
+
+def test_policy_fail_fails_cleanly_without_prefill(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A second router whose only prefill instance is unreachable, under policy `fail`."""
+    config = tmp_path / "fail.yaml"
+    config.write_text(CONFIG.read_text().replace("router:", "router:\n  on_transfer_failure: fail", 1))
+    ready = tmp_path / "router.json"
+    env = {**os.environ, TOKEN_ENV: cluster.token}
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router", "--config", str(config), "--port", "0", "--ready-file", str(ready),
+         "--prefill", "127.0.0.1:9", "--decode", cluster.decode_addresses[0]],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert router.poll() is None and time.monotonic() < deadline, "the router did not start"
+            time.sleep(0.1)
+        client = Client(f"127.0.0.1:{json.loads(ready.read_text())['port']}")
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(text="Hello there, how are you today?", max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "prefill" in (info.value.details() or "")
+        client.close()
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+    _assert_blocks_return(cluster)
 
 
 def test_dead_prefill_leads_to_recompute(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
