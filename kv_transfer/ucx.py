@@ -1,0 +1,426 @@
+"""KV transfer over UCX (the `ucxx` package): host memory over tcp on CPU; on GPUs UCX
+picks its CUDA transports and reads/writes the cache tensors in place.
+
+Lifecycle of a transfer:
+
+1. `UcxReceiver` listens on a port (endpoint "ucx://HOST:PORT"); decode calls
+   `expect(tid, dst_block_ids)`: the transfer is PENDING.
+2. The first `push_layer` to an endpoint opens a UCX endpoint to it and sends
+   `Handshake{layout, sender_id}`; the receiver answers `HandshakeReply`. A refused sender
+   fails every transfer to that endpoint with the mismatch message; the receiver logs it
+   and closes that connection only.
+3. `push_layer` cuts the blocks into segments (consecutive source and destination ids)
+   and queues them; on CUDA it records an event that the sends wait for.
+4. The sender sends one frame with the segments' `KVChunkHeader`s (each prefixed with its
+   length, 8 bytes little-endian) under the frame tag, then each segment's raw bytes
+   straight from the cache view, in order, under the bytes tag.
+5. The receiver keeps frame receives posted ahead. For each header it posts the receive
+   of the bytes straight into the destination view, or into scratch when the transfer is
+   unknown or cancelled. Once every layer of every expected block has landed, the
+   transfer is DONE.
+6. `sender.wait(tid)` is DONE once every send of the transfer completed locally.
+7. A connection error fails the sender's transfers on it (the next push reconnects); on
+   the receiver it ends that connection's handler only, and its transfers stay PENDING
+   (decode's wait times out and it recomputes or retries).
+
+Threads: ucxx has one UCX context and worker per process, and its request notifier wakes
+one asyncio loop, so every UcxSender and UcxReceiver of a process shares one event-loop
+thread (`_UcxLoop`). With a loop per object ucxx falls back to polling each pending
+request from its loop, which costs a full core per idle receiver. Each completion still
+costs a trip through ucxx's notifier thread, so sends and receives are kept in flight
+rather than awaited one by one.
+
+Binding: ucxx listeners take no address and listen on every interface; `host` is the
+address written into `endpoint`, the one senders connect to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+import weakref
+from collections import deque
+from collections.abc import Coroutine, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch
+import ucxx
+from google.protobuf.message import DecodeError
+from ucxx.exceptions import UCXError
+
+from kv_transfer.base import (
+    KVLayout,
+    KVTransferError,
+    TransferStatus,
+    check_kv_caches,
+    describe_error,
+    flat_bytes,
+    pack_frames,
+    parse_endpoint,
+    unpack_frame,
+)
+from kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
+from proto import kv_transfer_pb2
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CONNECT_TIMEOUT_S = 10.0
+_CLOSE_TIMEOUT_S = 10.0
+_MAX_FRAME_BYTES = 1 << 16  # the frame receive buffer; the sender packs frames to fit
+_MAX_SENDS_IN_FLIGHT = 64  # per connection
+_MAX_RECEIVES_IN_FLIGHT = 64  # per connection
+_NUM_FRAMES_AHEAD = 2  # per connection
+# Headers and bytes travel under two tags so that frame receives can be posted ahead of
+# the byte receives they announce; UCX matches each tag's messages in posting order.
+_FRAME_TAG, _BYTES_TAG = 1, 2
+_EVENT_POLL_S = 1e-4
+_CONNECTION_ERRORS = (UCXError, KVTransferError, DecodeError, asyncio.TimeoutError, OSError)
+
+
+class _UcxLoop:
+    """The process's one asyncio loop for UCX, in a daemon thread, started on first use."""
+
+    _instance: ClassVar[_UcxLoop | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def get(cls, on_cpu: bool) -> _UcxLoop:
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls(on_cpu)
+            return cls._instance
+
+    def __init__(self, on_cpu: bool) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.open_objects: weakref.WeakSet[UcxSender | UcxReceiver] = weakref.WeakSet()
+        thread = threading.Thread(target=self.loop.run_forever, name="kv-transfer-ucx", daemon=True)
+        thread.start()
+        self.run(self._init_ucx(on_cpu), _CONNECT_TIMEOUT_S)
+        atexit.register(self._close_open_objects)
+
+    @staticmethod
+    async def _init_ucx(on_cpu: bool) -> None:
+        # Runs in the loop so that ucxx binds its request notifier to it. ucxx itself sets
+        # UCX_MEMTYPE_CACHE, which this UCX build does not know and warns about on stderr.
+        options = {"WARN_UNUSED_ENV_VARS": "n"}
+        if on_cpu:
+            # Listener endpoints between host buffers; an explicit UCX_TLS still wins.
+            options["TLS"] = "tcp"
+        try:
+            ucxx.init(options=options, env_takes_precedence=True, enable_python_future=True)
+        except RuntimeError as e:
+            raise KVTransferError(
+                "ucxx was initialised before kv_transfer started its UCX loop; let "
+                "kv_transfer be the first user of ucxx in this process"
+            ) from e
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coro` on the loop and wait for its result (never call from the loop itself)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def _close_open_objects(self) -> None:
+        # Endpoints torn down by the interpreter's exit print tracebacks; close them first.
+        for obj in list(self.open_objects):
+            obj.close()
+
+
+def _buffer(tensor: torch.Tensor) -> Any:
+    """What ucxx sends from or receives into: the tensor's bytes, in place."""
+    data = flat_bytes(tensor)
+    return data if data.is_cuda else data.numpy()  # CUDA: __cuda_array_interface__
+
+
+def _top_up_futures() -> None:
+    """ucxx gives every request a future from a per-process pool of 100 that only its
+    notifier thread refills (when under 50), and warns on stderr each time the pool runs
+    dry; top it up before each request (a no-op while 50 or more are left)."""
+    ucxx.core._get_ctx().worker.populate_python_futures_pool()
+
+
+async def _send(ep: Any, buffer: Any, tag: int) -> None:
+    _top_up_futures()
+    await ep.send(buffer, tag=tag)
+
+
+async def _recv(ep: Any, buffer: Any, tag: int) -> None:
+    _top_up_futures()
+    await ep.recv(buffer, tag=tag)
+
+
+async def _send_frame(ep: Any, frame: bytes) -> None:
+    await _send(ep, np.frombuffer(frame, dtype=np.uint8), _FRAME_TAG)
+
+
+async def _recv_frame(ep: Any) -> list[bytes]:
+    """The protobufs of the next frame, received into a buffer of the largest frame size
+    (UCX accepts a shorter message; the frame's zero length marks its end)."""
+    buffer = np.empty(_MAX_FRAME_BYTES, dtype=np.uint8)
+    await _recv(ep, buffer, _FRAME_TAG)
+    return unpack_frame(buffer.data.cast("B").tobytes())
+
+
+class UcxReceiver:
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        check_kv_caches(kv_caches)
+        self._table = ReceiveTable(kv_caches, layout)
+        self._ucx = _UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._listener = self._ucx.run(self._listen(port), _CONNECT_TIMEOUT_S)
+        self.endpoint = f"ucx://{host}:{self._listener.port}"
+        self._ucx.open_objects.add(self)
+
+    def expect(self, transfer_id: str, block_ids: list[int]) -> None:
+        self._table.expect(transfer_id, block_ids)
+
+    def status(self, transfer_id: str) -> TransferStatus:
+        return self._table.status(transfer_id)
+
+    def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
+        return self._table.wait(transfer_id, timeout_s)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._table.cancel(transfer_id)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ucx.run(self._shutdown(), _CLOSE_TIMEOUT_S)
+        self._ucx.open_objects.discard(self)
+
+    async def _listen(self, port: int) -> Any:
+        return ucxx.create_listener(self._serve, port=port)
+
+    async def _shutdown(self) -> None:
+        handlers = list(self._handlers)
+        for handler in handlers:
+            handler.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        self._listener.close()
+
+    async def _serve(self, ep: Any) -> None:
+        """One sender's connection: the handshake, then chunks until it ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            if not self._closed and await self._handshake(ep):
+                await self._serve_chunks(ep)
+        except asyncio.CancelledError:
+            pass  # the receiver is closing
+        except _CONNECTION_ERRORS as e:
+            logger.info("KV sender connection to %s ended: %s", self.endpoint, describe_error(e))
+        finally:
+            self._handlers.discard(task)
+            ep.abort()
+
+    async def _handshake(self, ep: Any) -> bool:
+        (message,) = await _recv_frame(ep)
+        reply = self._table.answer_handshake(kv_transfer_pb2.Handshake.FromString(message))
+        (frame,) = pack_frames([reply.SerializeToString()], _MAX_FRAME_BYTES)
+        await _send_frame(ep, frame)
+        return reply.accepted
+
+    async def _serve_chunks(self, ep: Any) -> None:
+        frames = deque(asyncio.ensure_future(_recv_frame(ep)) for _ in range(_NUM_FRAMES_AHEAD))
+        receives: set[asyncio.Task[Any]] = set()
+        try:
+            while True:
+                messages = await frames.popleft()
+                frames.append(asyncio.ensure_future(_recv_frame(ep)))
+                for message in messages:
+                    header = kv_transfer_pb2.KVChunkHeader.FromString(message)
+                    self._table.check_header(header)
+                    while len(receives) >= _MAX_RECEIVES_IN_FLIGHT:
+                        await asyncio.wait(receives, return_when=asyncio.FIRST_COMPLETED)
+                    receives.add(self._receive_bytes(ep, header, receives))
+        finally:
+            ep.abort()  # first: no posted receive may write after this handler ends
+            for task in [*frames, *receives]:
+                task.cancel()
+            await asyncio.gather(*frames, *receives, return_exceptions=True)
+
+    def _receive_bytes(
+        self, ep: Any, header: kv_transfer_pb2.KVChunkHeader, receives: set[asyncio.Task[Any]]
+    ) -> asyncio.Task[Any]:
+        """Post the receive of a chunk's bytes, straight into its destination view (or into
+        scratch); the table learns when it ends, without anyone awaiting it."""
+        dst = self._table.begin_chunk(header)
+        target = self._table.scratch(header) if dst is None else dst
+        task = asyncio.ensure_future(_recv(ep, _buffer(target), _BYTES_TAG))
+
+        def finished(task: asyncio.Task[Any]) -> None:
+            receives.discard(task)
+            landed = not task.cancelled() and task.exception() is None
+            if dst is not None:
+                if not landed:
+                    ep.abort()  # the receive may still be posted: no write after cancel()
+                self._table.end_chunk(header, landed)
+
+        task.add_done_callback(finished)
+        return task
+
+
+class _UcxPeer:
+    """One sender's connection to one receiver, fed by a queue (one push_layer's chunks
+    per item) that one task drains.
+
+    `failure` is set once the connection is refused or broken; from then on every send
+    queued to this peer fails with it. A broken peer (not a refused one) is replaced by a
+    new connection on the next push.
+    """
+
+    def __init__(self, endpoint: str, handshake: bytes, table: SendTable) -> None:
+        self.endpoint = endpoint
+        self.host, self.port = parse_endpoint(endpoint, "ucx")
+        self.handshake = handshake
+        self.table = table
+        self.queue: asyncio.Queue[list[OutgoingChunk]] = asyncio.Queue()
+        self.failure: str | None = None
+        self.broken = False
+        self.task: asyncio.Task[None] | None = None
+
+    async def pump(self) -> None:
+        # (chunk, its bytes' send) in send order; a frame's send has no chunk
+        in_flight: deque[tuple[OutgoingChunk | None, asyncio.Task[Any]]] = deque()
+        ep = None
+        try:
+            ep = await self._connect()
+            while self.failure is None:
+                await self._send_next(ep, in_flight)
+        except _CONNECTION_ERRORS as e:
+            self.failure = f"KV connection to {self.endpoint} failed: {describe_error(e)}"
+            self.broken = True
+            logger.warning("%s", self.failure)
+        finally:
+            if ep is not None:
+                ep.abort()
+            for chunk, send in in_flight:
+                send.cancel()
+                if chunk is not None:
+                    self.table.fail(chunk.header.transfer_id, self.failure or "sender closed")
+            await asyncio.gather(*(send for _, send in in_flight), return_exceptions=True)
+        while True:  # until the sender closes: pushes that raced with the failure fail too
+            for chunk in await self.queue.get():
+                self.table.fail(chunk.header.transfer_id, self.failure)
+
+    async def _connect(self) -> Any:
+        """An endpoint whose receiver accepted our handshake; sets `failure` if refused."""
+        # Fail at once if nothing listens there: ucxx's create_endpoint to a closed port
+        # sometimes misses the error and waits out its whole connect timeout.
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(self.host, self.port), _CONNECT_TIMEOUT_S
+        )
+        writer.close()
+        await writer.wait_closed()
+        ep = await ucxx.create_endpoint(self.host, self.port, connect_timeout=_CONNECT_TIMEOUT_S)
+        (frame,) = pack_frames([self.handshake], _MAX_FRAME_BYTES)
+        await _send_frame(ep, frame)
+        (message,) = await asyncio.wait_for(_recv_frame(ep), _CONNECT_TIMEOUT_S)
+        reply = kv_transfer_pb2.HandshakeReply.FromString(message)
+        if not reply.accepted:
+            self.failure = reply.error
+        return ep
+
+    async def _send_next(
+        self, ep: Any, in_flight: deque[tuple[OutgoingChunk | None, asyncio.Task[Any]]]
+    ) -> None:
+        """Start the sends of the next queued push, or retire the oldest send in flight."""
+        if in_flight and (self.queue.empty() or len(in_flight) >= _MAX_SENDS_IN_FLIGHT):
+            chunk, send = in_flight[0]
+            await send  # on error it stays in flight, and pump() fails it
+            in_flight.popleft()
+            if chunk is not None:
+                self.table.done(chunk.header.transfer_id)
+            return
+        chunks = await self.queue.get()
+        if not chunks or not self.table.is_live(chunks[0].header.transfer_id):
+            return  # its wait() already gave up on it
+        if chunks[0].ready is not None:
+            while not chunks[0].ready.query():
+                await asyncio.sleep(_EVENT_POLL_S)
+        # Tasks start in creation order, so the sends are posted in this order.
+        headers = [chunk.header.SerializeToString() for chunk in chunks]
+        for frame in pack_frames(headers, _MAX_FRAME_BYTES):
+            in_flight.append((None, asyncio.ensure_future(_send_frame(ep, frame))))
+        for chunk in chunks:
+            send = asyncio.ensure_future(_send(ep, _buffer(chunk.payload), _BYTES_TAG))
+            in_flight.append((chunk, send))
+
+
+class UcxSender:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str) -> None:
+        check_kv_caches(kv_caches)
+        self.kv_caches = list(kv_caches)
+        self._table = SendTable()
+        self._handshake = kv_transfer_pb2.Handshake(
+            layout=layout.to_proto(), sender_id=sender_id
+        ).SerializeToString()
+        self._ucx = _UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
+        self._peers: dict[str, _UcxPeer] = {}
+        self._all_peers: list[_UcxPeer] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ucx.open_objects.add(self)
+
+    def push_layer(
+        self,
+        endpoint: str,
+        transfer_id: str,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+    ) -> None:
+        chunks = plan_chunks(self.kv_caches, transfer_id, layer, src_block_ids, dst_block_ids)
+        peer = self._peer(endpoint)
+        self._table.add(transfer_id, len(chunks))
+        self._ucx.loop.call_soon_threadsafe(peer.queue.put_nowait, chunks)
+
+    def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
+        return self._table.wait(transfer_id, timeout_s)
+
+    def error(self, transfer_id: str) -> str | None:
+        return self._table.error(transfer_id)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._ucx.run(self._shutdown(), _CLOSE_TIMEOUT_S)
+        self._table.fail_all("sender closed")
+        self._ucx.open_objects.discard(self)
+
+    def _peer(self, endpoint: str) -> _UcxPeer:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("push_layer on a closed UcxSender")
+            peer = self._peers.get(endpoint)
+            if peer is None or peer.broken:
+                peer = _UcxPeer(endpoint, self._handshake, self._table)
+                self._ucx.run(self._start(peer), _CONNECT_TIMEOUT_S)
+                self._peers[endpoint] = peer
+                self._all_peers.append(peer)
+            return peer
+
+    @staticmethod
+    async def _start(peer: _UcxPeer) -> None:
+        peer.task = asyncio.create_task(peer.pump())
+
+    async def _shutdown(self) -> None:
+        tasks = [peer.task for peer in self._all_peers if peer.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
