@@ -24,13 +24,13 @@ def test_local_yaml_loads() -> None:
     assert config.model.model == "smollm2-135m-instruct"
     assert config.model.dtype == "float32"
     assert config.cache.block_size == 16
-    assert config.cache.num_blocks == 2048
+    assert config.cache.num_blocks == 1024
     assert config.cache.enable_prefix_caching is True
     assert config.scheduler.max_num_seqs == 32
     assert config.scheduler.max_num_batched_tokens == 512
     assert config.scheduler.max_model_len == 8192
     assert config.device == "cpu"
-    assert config.num_threads == 2
+    assert config.num_threads == 1
     assert config.role == "colocated"
 
 
@@ -144,7 +144,7 @@ def test_with_overrides_changes_only_the_named_options() -> None:
     assert derived.model == base.model
     assert derived.device == "cpu"
     # The original is untouched.
-    assert (base.cache.num_blocks, base.scheduler.max_num_batched_tokens) == (2048, 512)
+    assert (base.cache.num_blocks, base.scheduler.max_num_batched_tokens) == (1024, 512)
     assert base.role == "colocated"
 
 
