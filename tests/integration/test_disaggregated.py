@@ -284,3 +284,20 @@ def test_dead_prefill_leads_to_recompute(cluster: LocalCluster, client: Client, 
     completion = result[0]
     assert completion.token_ids == expected  # type: ignore[attr-defined]
     assert completion.timings.recomputed  # type: ignore[attr-defined]
+
+
+def test_health_and_reflection_on_every_server(cluster: LocalCluster) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from proto.rpc import check_health
+
+    servers = [(cluster.router_address, "vllm_cluster.Generation")]
+    servers += [(a, "vllm_cluster.DecodeWorker") for a in cluster.decode_addresses]
+    for address, service in servers:
+        channel = grpc.insecure_channel(address)  # health and reflection need no token
+        assert check_health(channel, service, timeout_s=5)
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for reply in replies for s in reply.list_services_response.service}
+        assert {service, "grpc.health.v1.Health"} <= names
+        channel.close()
