@@ -43,11 +43,17 @@ class Client:
         request_id: str = "",
         deadline_s: float = 0.0,
         timeout_s: float | None = None,
+        tenant_salt: str = "",
         **sampling: Any,
     ) -> Iterator[pb.GenerateResponse]:
         """Server-streamed responses (the gRPC call: iterate it, or `.cancel()` it to hang up);
         `sampling` takes SamplingParams fields (max_tokens=..)."""
-        request = pb.GenerateRequest(request_id=request_id, sampling_params=pb.SamplingParams(**sampling), deadline_s=deadline_s)
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            sampling_params=pb.SamplingParams(**sampling),
+            deadline_s=deadline_s,
+            tenant_salt=tenant_salt,
+        )
         if text is not None:
             request.text = text
         elif token_ids is not None:

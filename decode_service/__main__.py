@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(args, "vllm_cluster.DecodeWorker",
               lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
-              {"kv_endpoint": receiver.endpoint})
+              {"kv_endpoint": receiver.endpoint}, loop)
     finally:
         loop.stop()
         receiver.close()

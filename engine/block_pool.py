@@ -52,6 +52,10 @@ class BlockPool:
     def get_cached(self, block_hash: BlockHash) -> BlockId | None:
         return self._cached.get(block_hash)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache now (a full resync of an external index)."""
+        return list(self._cached)
+
     def allocate(self, num_blocks: int) -> list[BlockId]:
         """Take `num_blocks` free blocks (evicting cached ones, LRU first); ref_cnt becomes 1."""
         if num_blocks > len(self._free):

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     servicer = PrefillServicer(loop, sender, layout, args.transfer_timeout_s)
     try:
         serve(args, "vllm_cluster.PrefillWorker",
-              lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server), {})
+              lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server), {}, loop)
     finally:
         loop.stop()
         sender.close()

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from proto import kv_transfer_pb2 as proto_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/cluster.proto\x12\x0cvllm_cluster\x1a\x17proto/kv_transfer.proto\"\x95\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x14max_tokens_unlimited\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x01H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.vllm_cluster.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xe5\x01\n\x07Timings\x12\x10\n\x08router_s\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x02 \x01(\x01\x12\x19\n\x11prefill_compute_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x17\n\x0fprefill_skipped\x18\x08 \x01(\x08\x12\x12\n\nrecomputed\x18\t \x01(\x08\x12\x1a\n\x12num_kv_blocks_sent\x18\n \x01(\x05\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.vllm_cluster.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.vllm_cluster.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.vllm_cluster.Timings\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.vllm_cluster.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.vllm_cluster.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.vllm_cluster.ChatPromptH\x00\x12\x35\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1c.vllm_cluster.SamplingParams\x12\x12\n\ndeadline_s\x18\x07 \x01(\x01\x42\x08\n\x06prompt\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.vllm_cluster.ModelCard\"\x88\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.vllm_cluster.SamplingParams\x12\x12\n\nextra_keys\x18\x04 \x03(\t\"O\n\x0eReserveRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.vllm_cluster.WorkerRequest\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\xb5\x01\n\x0bReservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12)\n\x06layout\x18\x06 \x01(\x0b\x32\x19.vllm_cluster.kv.KVLayout\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\"n\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.vllm_cluster.WorkerRequest\x12.\n\x0breservation\x18\x02 \x01(\x0b\x32\x19.vllm_cluster.Reservation\"\xfd\x01\n\x0fPrefillResponse\x12/\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1a.vllm_cluster.TokenLogprob\x12\x35\n\x0ftransfer_status\x18\x02 \x01(\x0e\x32\x1c.vllm_cluster.TransferStatus\x12\x16\n\x0etransfer_error\x18\x03 \x01(\t\x12\x17\n\x0fnum_blocks_sent\x18\x04 \x01(\x05\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\"\xaa\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x1a.vllm_cluster.TokenLogprob\x12\x38\n\x13on_transfer_failure\x18\x03 \x01(\x0e\x32\x1b.vllm_cluster.FailurePolicy\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x9b\x02\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x18\n\x10num_transferring\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x03\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x0c \x01(\t*o\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSFER_DONE\x10\x01\x12\x13\n\x0fTRANSFER_FAILED\x10\x02\x12\x14\n\x10TRANSFER_SKIPPED\x10\x03*F\n\rFailurePolicy\x12\x1c\n\x18\x46\x41ILURE_POLICY_RECOMPUTE\x10\x00\x12\x17\n\x13\x46\x41ILURE_POLICY_FAIL\x10\x01\x32\xec\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.vllm_cluster.GenerateRequest\x1a\x1e.vllm_cluster.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.vllm_cluster.AbortRequest\x1a\x1b.vllm_cluster.AbortResponse\x12O\n\nListModels\x12\x1f.vllm_cluster.ListModelsRequest\x1a .vllm_cluster.ListModelsResponse2\xa3\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1c.vllm_cluster.ReserveRequest\x1a\x19.vllm_cluster.Reservation\x12G\n\x06\x44\x65\x63ode\x12\x1b.vllm_cluster.DecodeRequest\x1a\x1e.vllm_cluster.GenerateResponse0\x01\x12\x46\n\x07Release\x12\x1c.vllm_cluster.ReleaseRequest\x1a\x1d.vllm_cluster.ReleaseResponse\x12>\n\x05Stats\x12\x1a.vllm_cluster.StatsRequest\x1a\x19.vllm_cluster.WorkerStats2\xdd\x01\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1c.vllm_cluster.PrefillRequest\x1a\x1d.vllm_cluster.PrefillResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.vllm_cluster.ReleaseRequest\x1a\x1d.vllm_cluster.ReleaseResponse\x12>\n\x05Stats\x12\x1a.vllm_cluster.StatsRequest\x1a\x19.vllm_cluster.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/cluster.proto\x12\x0cvllm_cluster\x1a\x17proto/kv_transfer.proto\"\x95\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x14max_tokens_unlimited\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x01H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.vllm_cluster.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xe5\x01\n\x07Timings\x12\x10\n\x08router_s\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x02 \x01(\x01\x12\x19\n\x11prefill_compute_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x17\n\x0fprefill_skipped\x18\x08 \x01(\x08\x12\x12\n\nrecomputed\x18\t \x01(\x08\x12\x1a\n\x12num_kv_blocks_sent\x18\n \x01(\x05\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.vllm_cluster.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.vllm_cluster.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.vllm_cluster.Timings\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.vllm_cluster.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.vllm_cluster.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.vllm_cluster.ChatPromptH\x00\x12\x35\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1c.vllm_cluster.SamplingParams\x12\x12\n\ndeadline_s\x18\x07 \x01(\x01\x12\x13\n\x0btenant_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.vllm_cluster.ModelCard\"\x88\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.vllm_cluster.SamplingParams\x12\x12\n\nextra_keys\x18\x04 \x03(\t\"O\n\x0eReserveRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.vllm_cluster.WorkerRequest\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\xb5\x01\n\x0bReservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12)\n\x06layout\x18\x06 \x01(\x0b\x32\x19.vllm_cluster.kv.KVLayout\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\"n\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.vllm_cluster.WorkerRequest\x12.\n\x0breservation\x18\x02 \x01(\x0b\x32\x19.vllm_cluster.Reservation\"\xfd\x01\n\x0fPrefillResponse\x12/\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1a.vllm_cluster.TokenLogprob\x12\x35\n\x0ftransfer_status\x18\x02 \x01(\x0e\x32\x1c.vllm_cluster.TransferStatus\x12\x16\n\x0etransfer_error\x18\x03 \x01(\t\x12\x17\n\x0fnum_blocks_sent\x18\x04 \x01(\x05\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\"\xaa\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x1a.vllm_cluster.TokenLogprob\x12\x38\n\x13on_transfer_failure\x18\x03 \x01(\x0e\x32\x1b.vllm_cluster.FailurePolicy\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x9b\x02\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x18\n\x10num_transferring\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x03\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x0c \x01(\t*o\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSFER_DONE\x10\x01\x12\x13\n\x0fTRANSFER_FAILED\x10\x02\x12\x14\n\x10TRANSFER_SKIPPED\x10\x03*F\n\rFailurePolicy\x12\x1c\n\x18\x46\x41ILURE_POLICY_RECOMPUTE\x10\x00\x12\x17\n\x13\x46\x41ILURE_POLICY_FAIL\x10\x01\x32\xec\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.vllm_cluster.GenerateRequest\x1a\x1e.vllm_cluster.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.vllm_cluster.AbortRequest\x1a\x1b.vllm_cluster.AbortResponse\x12O\n\nListModels\x12\x1f.vllm_cluster.ListModelsRequest\x1a .vllm_cluster.ListModelsResponse2\xa3\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1c.vllm_cluster.ReserveRequest\x1a\x19.vllm_cluster.Reservation\x12G\n\x06\x44\x65\x63ode\x12\x1b.vllm_cluster.DecodeRequest\x1a\x1e.vllm_cluster.GenerateResponse0\x01\x12\x46\n\x07Release\x12\x1c.vllm_cluster.ReleaseRequest\x1a\x1d.vllm_cluster.ReleaseResponse\x12>\n\x05Stats\x12\x1a.vllm_cluster.StatsRequest\x1a\x19.vllm_cluster.WorkerStats2\xdd\x01\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1c.vllm_cluster.PrefillRequest\x1a\x1d.vllm_cluster.PrefillResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.vllm_cluster.ReleaseRequest\x1a\x1d.vllm_cluster.ReleaseResponse\x12>\n\x05Stats\x12\x1a.vllm_cluster.StatsRequest\x1a\x19.vllm_cluster.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATUS']._serialized_start=3197
-  _globals['_TRANSFERSTATUS']._serialized_end=3308
-  _globals['_FAILUREPOLICY']._serialized_start=3310
-  _globals['_FAILUREPOLICY']._serialized_end=3380
+  _globals['_TRANSFERSTATUS']._serialized_start=3218
+  _globals['_TRANSFERSTATUS']._serialized_end=3329
+  _globals['_FAILUREPOLICY']._serialized_start=3331
+  _globals['_FAILUREPOLICY']._serialized_end=3401
   _globals['_SAMPLINGPARAMS']._serialized_start=63
   _globals['_SAMPLINGPARAMS']._serialized_end=596
   _globals['_TOPLOGPROB']._serialized_start=598
@@ -55,41 +55,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=1410
   _globals['_TOKENIDS']._serialized_end=1433
   _globals['_GENERATEREQUEST']._serialized_start=1436
-  _globals['_GENERATEREQUEST']._serialized_end=1676
-  _globals['_ABORTREQUEST']._serialized_start=1678
-  _globals['_ABORTREQUEST']._serialized_end=1712
-  _globals['_ABORTRESPONSE']._serialized_start=1714
-  _globals['_ABORTRESPONSE']._serialized_end=1744
-  _globals['_LISTMODELSREQUEST']._serialized_start=1746
-  _globals['_LISTMODELSREQUEST']._serialized_end=1765
-  _globals['_MODELCARD']._serialized_start=1767
-  _globals['_MODELCARD']._serialized_end=1813
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1815
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1876
-  _globals['_WORKERREQUEST']._serialized_start=1879
-  _globals['_WORKERREQUEST']._serialized_end=2015
-  _globals['_RESERVEREQUEST']._serialized_start=2017
-  _globals['_RESERVEREQUEST']._serialized_end=2096
-  _globals['_RESERVATION']._serialized_start=2099
-  _globals['_RESERVATION']._serialized_end=2280
-  _globals['_PREFILLREQUEST']._serialized_start=2282
-  _globals['_PREFILLREQUEST']._serialized_end=2392
-  _globals['_PREFILLRESPONSE']._serialized_start=2395
-  _globals['_PREFILLRESPONSE']._serialized_end=2648
-  _globals['_DECODEREQUEST']._serialized_start=2651
-  _globals['_DECODEREQUEST']._serialized_end=2821
-  _globals['_RELEASEREQUEST']._serialized_start=2823
-  _globals['_RELEASEREQUEST']._serialized_end=2859
-  _globals['_RELEASERESPONSE']._serialized_start=2861
-  _globals['_RELEASERESPONSE']._serialized_end=2893
-  _globals['_STATSREQUEST']._serialized_start=2895
-  _globals['_STATSREQUEST']._serialized_end=2909
-  _globals['_WORKERSTATS']._serialized_start=2912
-  _globals['_WORKERSTATS']._serialized_end=3195
-  _globals['_GENERATION']._serialized_start=3383
-  _globals['_GENERATION']._serialized_end=3619
-  _globals['_DECODEWORKER']._serialized_start=3622
-  _globals['_DECODEWORKER']._serialized_end=3913
-  _globals['_PREFILLWORKER']._serialized_start=3916
-  _globals['_PREFILLWORKER']._serialized_end=4137
+  _globals['_GENERATEREQUEST']._serialized_end=1697
+  _globals['_ABORTREQUEST']._serialized_start=1699
+  _globals['_ABORTREQUEST']._serialized_end=1733
+  _globals['_ABORTRESPONSE']._serialized_start=1735
+  _globals['_ABORTRESPONSE']._serialized_end=1765
+  _globals['_LISTMODELSREQUEST']._serialized_start=1767
+  _globals['_LISTMODELSREQUEST']._serialized_end=1786
+  _globals['_MODELCARD']._serialized_start=1788
+  _globals['_MODELCARD']._serialized_end=1834
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1836
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1897
+  _globals['_WORKERREQUEST']._serialized_start=1900
+  _globals['_WORKERREQUEST']._serialized_end=2036
+  _globals['_RESERVEREQUEST']._serialized_start=2038
+  _globals['_RESERVEREQUEST']._serialized_end=2117
+  _globals['_RESERVATION']._serialized_start=2120
+  _globals['_RESERVATION']._serialized_end=2301
+  _globals['_PREFILLREQUEST']._serialized_start=2303
+  _globals['_PREFILLREQUEST']._serialized_end=2413
+  _globals['_PREFILLRESPONSE']._serialized_start=2416
+  _globals['_PREFILLRESPONSE']._serialized_end=2669
+  _globals['_DECODEREQUEST']._serialized_start=2672
+  _globals['_DECODEREQUEST']._serialized_end=2842
+  _globals['_RELEASEREQUEST']._serialized_start=2844
+  _globals['_RELEASEREQUEST']._serialized_end=2880
+  _globals['_RELEASERESPONSE']._serialized_start=2882
+  _globals['_RELEASERESPONSE']._serialized_end=2914
+  _globals['_STATSREQUEST']._serialized_start=2916
+  _globals['_STATSREQUEST']._serialized_end=2930
+  _globals['_WORKERSTATS']._serialized_start=2933
+  _globals['_WORKERSTATS']._serialized_end=3216
+  _globals['_GENERATION']._serialized_start=3404
+  _globals['_GENERATION']._serialized_end=3640
+  _globals['_DECODEWORKER']._serialized_start=3643
+  _globals['_DECODEWORKER']._serialized_end=3934
+  _globals['_PREFILLWORKER']._serialized_start=3937
+  _globals['_PREFILLWORKER']._serialized_end=4158
 # @@protoc_insertion_point(module_scope)

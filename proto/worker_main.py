@@ -18,7 +18,9 @@ import grpc
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.engine_loop import EngineLoop
 from engine.tokenizer import load_tokenizer
+from kv_index import BlockEventPublisher
 from proto.rpc import make_server
 
 TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
@@ -34,6 +36,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default="ucx", choices=["ucx", "nccl", "cuda_ipc"])
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (overrides the config)")
+    parser.add_argument("--redis-url", default="",
+                        help="publish prefix-cache block events to this Redis (empty: don't)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="written (JSON: port, kv_endpoint, pid) once the server is up")
 
@@ -48,15 +52,22 @@ def build_engine(args: argparse.Namespace, role: str) -> tuple[EngineCore, Any]:
     return core, (load_tokenizer(path) if path is not None else None)
 
 
+def instance_id(role: str, address: str) -> str:
+    """How an instance is known in the prefix index: the router knows it by this address."""
+    return f"{role}@{address}"
+
+
 def serve(
     args: argparse.Namespace,
     service_name: str,
     add_servicer: Callable[[grpc.Server], None],
     ready_info: dict[str, Any],
+    loop: EngineLoop,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then stop accepting and give calls in flight 5 s."""
     server, port, _ = make_server(f"{args.host}:{args.port}", [service_name], os.environ.get(TOKEN_ENV))
     add_servicer(server)
+    publisher = _start_publisher(args, loop, f"{args.host}:{port}") if args.redis_url else None
     server.start()
     logging.getLogger(__name__).info("%s serving on %s:%d", service_name, args.host, port)
     if args.ready_file is not None:
@@ -68,3 +79,25 @@ def serve(
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     server.stop(grace=5).wait()
+    if publisher is not None:
+        publisher.close()
+
+
+def _start_publisher(args: argparse.Namespace, loop: EngineLoop, address: str) -> BlockEventPublisher:
+    """Mirror the engine's prefix cache into Redis, for the router's prefix-aware routing."""
+    core = loop.core
+    publisher = BlockEventPublisher(
+        args.redis_url,
+        core.config.model.model,
+        instance_id(core.role, address),
+        snapshot=lambda: [bytes(h) for h in loop.call(lambda c: c.kv.pool.cached_hashes())],
+    )
+
+    def wire(c: EngineCore) -> None:
+        c.kv.pool.on_stored = publisher.on_stored
+        c.kv.pool.on_removed = publisher.on_removed
+        publisher.on_stored([bytes(h) for h in c.kv.pool.cached_hashes()])
+
+    loop.call(wire)
+    publisher.start()
+    return publisher

@@ -18,6 +18,7 @@ import yaml
 from engine.config import EngineConfig
 from engine.loader import resolve
 from engine.tokenizer import load_tokenizer
+from kv_index import PrefixIndex
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.rpc import make_server
 from proto.worker_main import TOKEN_ENV
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", action="append", default=[], help="host:port of a prefill instance")
     parser.add_argument("--decode", action="append", default=[], help="host:port of a decode instance")
     parser.add_argument("--port", type=int, default=None, help="overrides router.port; 0 picks one")
+    parser.add_argument("--redis-url", default=None, help="overrides router.redis_url")
     parser.add_argument("--ready-file", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
@@ -39,13 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least one --decode instance")
     data = yaml.safe_load(Path(args.config).read_text()) or {}
     config = RouterConfig.from_dict(data.get("router"))
+    if args.redis_url is not None:
+        config.redis_url = args.redis_url
     engine_config = EngineConfig.from_yaml(args.config)
     source = resolve(engine_config.model)
     tokenizer = load_tokenizer(source.tokenizer_path) if source.tokenizer_path is not None else None
     token = os.environ.get(TOKEN_ENV)
     registry = Registry(args.prefill, args.decode, token, config.stats_interval_s)
+    prefix_index = None
+    if config.redis_url and config.policy == "prefix_aware":
+        prefix_index = PrefixIndex(config.redis_url, engine_config.model.model, config.prefix_index_timeout_s)
     servicer = RouterServicer(
-        config, registry, tokenizer, engine_config.model.model, engine_config.scheduler.max_model_len or 0
+        config, registry, tokenizer, engine_config.model.model, engine_config.scheduler.max_model_len or 0,
+        engine_config.cache.block_size, prefix_index,
     )
     port = config.port if args.port is None else args.port
     # The client API has no cluster token: it is the public side (API keys come with the HTTP front).

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
-from router.policy import POLICIES
+from router.policy import POLICIES, PrefixWeights
 
 FAILURE_POLICIES = ("recompute", "fail")
 
@@ -24,6 +24,17 @@ class RouterConfig:
     transfer_timeout_s: float = 30.0  # how long decode waits for the KV to land
     prefill_timeout_s: float = 300.0  # a Prefill call that takes longer counts as failed
     stats_interval_s: float = 0.5
+    # Prefix-aware routing: the Redis the instances publish their block events to ("" with
+    # `vllm-cluster serve`: the embedded one it starts), and the score's weights.
+    redis_url: str = ""
+    prefix_index_timeout_s: float = 0.05  # a slower lookup routes on load alone
+    prefix_weight_overlap: float = 2.0
+    prefix_weight_usage: float = 1.0
+    prefix_weight_load: float = 1.0
+
+    @property
+    def prefix_weights(self) -> PrefixWeights:
+        return PrefixWeights(self.prefix_weight_overlap, self.prefix_weight_usage, self.prefix_weight_load)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -32,7 +43,7 @@ class RouterConfig:
             raise ConfigError(f"router.on_transfer_failure: {self.on_transfer_failure!r} is not one of {FAILURE_POLICIES}")
         if self.min_prefill_tokens < 0:
             raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
-        for name in ("lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s"):
+        for name in ("lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s", "prefix_index_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0")
 

@@ -1,9 +1,12 @@
-"""Routing decisions as pure functions over a snapshot of instance load. No I/O here: the
-router's shell gathers the snapshot and acts on the answer, so every rule is tested alone.
-The Redis prefix index adds prefix overlap to `score` in a later step."""
+"""Routing decisions as pure functions over a snapshot of instance load and prefix overlap.
+No I/O here: the router's shell gathers the snapshot (its own in-flight counts, the
+instances' last Stats, the Redis prefix index) and acts on the answer, so every rule is
+tested alone. Randomness comes in as a `random.Random`, so tests fix it.
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +19,16 @@ class InstanceLoad:
     num_waiting: int = 0  # from the instance's last Stats (may be a moment old)
     num_running: int = 0
     kv_cache_usage: float = 0.0  # 0..1
+    num_cached_blocks: int = 0  # leading blocks of this prompt the instance holds (prefix index)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixWeights:
+    """prefix_aware: score = overlap * overlap_fraction - usage * kv_cache_usage - load * load_share."""
+
+    overlap: float = 2.0
+    usage: float = 1.0
+    load: float = 1.0
 
 
 def score(load: InstanceLoad) -> float:
@@ -38,12 +51,54 @@ def round_robin(loads: Sequence[InstanceLoad], turn: int) -> list[str]:
     return healthy[start:] + healthy[:start]
 
 
-POLICIES = ("least_loaded", "round_robin")
+def power_of_two(loads: Sequence[InstanceLoad], rng: random.Random) -> list[str]:
+    """Two healthy instances drawn at random, the less loaded first (then the rest, by load)."""
+    healthy = [load for load in loads if load.healthy]
+    if len(healthy) <= 2:
+        return least_loaded(healthy)
+    pair = rng.sample(healthy, 2)
+    first = min(pair, key=score)
+    return [first.name] + [load.name for load in sorted(healthy, key=score) if load is not first]
 
 
-def rank(policy: str, loads: Sequence[InstanceLoad], turn: int) -> list[str]:
+def prefix_aware(
+    loads: Sequence[InstanceLoad], num_prompt_blocks: int, weights: PrefixWeights, rng: random.Random
+) -> list[str]:
+    """Best first by overlap against KV usage and load; ties broken at random, so equally
+    good instances share the work instead of the first one taking it all."""
+    healthy = [load for load in loads if load.healthy]
+    if not healthy:
+        return []
+    total_load = sum(load.num_inflight + load.num_waiting for load in healthy)
+
+    def value(load: InstanceLoad) -> float:
+        overlap = load.num_cached_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
+        share = (load.num_inflight + load.num_waiting) / total_load if total_load else 0.0
+        return weights.overlap * overlap - weights.usage * load.kv_cache_usage - weights.load * share
+
+    keyed = [(-value(load), rng.random(), load.name) for load in healthy]
+    return [name for _, _, name in sorted(keyed)]
+
+
+POLICIES = ("least_loaded", "round_robin", "power_of_two", "prefix_aware")
+
+
+def rank(
+    policy: str,
+    loads: Sequence[InstanceLoad],
+    turn: int,
+    rng: random.Random | None = None,
+    num_prompt_blocks: int = 0,
+    weights: PrefixWeights | None = None,
+) -> list[str]:
+    """The instances to try, in order, under `policy`."""
+    rng = rng or random.Random(turn)
     if policy == "round_robin":
         return round_robin(loads, turn)
+    if policy == "power_of_two":
+        return power_of_two(loads, rng)
+    if policy == "prefix_aware":
+        return prefix_aware(loads, num_prompt_blocks, weights or PrefixWeights(), rng)
     assert policy == "least_loaded", policy
     return least_loaded(loads)
 

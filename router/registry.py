@@ -33,7 +33,12 @@ class Instance:
     stats: pb.WorkerStats = field(default_factory=pb.WorkerStats)
     num_inflight: int = 0
 
-    def load(self) -> InstanceLoad:
+    @property
+    def index_id(self) -> str:
+        """This instance's id in the prefix index (see proto.worker_main.instance_id)."""
+        return f"{self.role}@{self.address}"
+
+    def load(self, num_cached_blocks: int = 0) -> InstanceLoad:
         return InstanceLoad(
             name=self.name,
             healthy=self.healthy,
@@ -41,6 +46,7 @@ class Instance:
             num_waiting=self.stats.num_waiting,
             num_running=self.stats.num_running,
             kv_cache_usage=self.stats.kv_cache_usage,
+            num_cached_blocks=num_cached_blocks,
         )
 
 
@@ -65,9 +71,11 @@ class Registry:
     def of_role(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
-    def loads(self, role: str) -> list[InstanceLoad]:
+    def loads(self, role: str, overlap: dict[str, int] | None = None) -> list[InstanceLoad]:
+        """`overlap`: prefix-index id -> leading blocks of the prompt it holds."""
+        overlap = overlap or {}
         with self._lock:
-            return [i.load() for i in self.of_role(role)]
+            return [i.load(overlap.get(i.index_id, 0)) for i in self.of_role(role)]
 
     def acquire(self, name: str) -> Instance:
         with self._lock:

@@ -19,6 +19,7 @@ releases both legs exactly once.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
@@ -28,8 +29,10 @@ from typing import Any
 
 import grpc
 
+from engine.block_hash import hash_block_tokens
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.tokenizer import apply_chat_template
+from kv_index import PrefixIndex
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import sampling_params_from_proto
@@ -46,9 +49,19 @@ _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 class RouterServicer(pb_grpc.GenerationServicer):
     def __init__(
-        self, config: RouterConfig, registry: Registry, tokenizer: Any, model_name: str, max_model_len: int
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        block_size: int = 16,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self._config = config
+        self._block_size = block_size
+        self._prefix_index = prefix_index
+        self._rng = random.Random()
         self._registry = registry
         self._tokenizer = tokenizer
         self._model_name = model_name
@@ -94,11 +107,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
     def _serve(
         self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext, arrival: float
     ) -> Iterator[pb.GenerateResponse]:
-        decode, reservation = self._reserve(handoff, request, context)
+        overlap = self._overlap(request)
+        decode, reservation = self._reserve(handoff, request, overlap, context)
         timings = pb.Timings()
         try:
             timings.router_s = time.monotonic() - arrival
-            first_token = self._prefill(handoff, request, reservation, timings, context)
+            first_token = self._prefill(handoff, request, reservation, overlap, timings, context)
             if not handoff.advance(HandoffState.DECODING):
                 abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
             call = decode.stub.Decode(
@@ -114,10 +128,26 @@ class RouterServicer(pb_grpc.GenerationServicer):
         finally:
             self._registry.release(decode)
 
+    def _overlap(self, request: pb.WorkerRequest) -> dict[str, int]:
+        """Prefix-index id -> leading blocks of this prompt held ({} without an index)."""
+        if self._prefix_index is None or self._config.policy != "prefix_aware":
+            return {}
+        hashes = hash_block_tokens(list(request.prompt_token_ids), self._block_size, tuple(request.extra_keys))
+        return self._prefix_index.overlap([bytes(h) for h in hashes]) if hashes else {}
+
+    def _rank(self, role: str, request: pb.WorkerRequest, overlap: dict[str, int]) -> list[str]:
+        num_blocks = len(request.prompt_token_ids) // self._block_size
+        loads = self._registry.loads(role, overlap)
+        with self._lock:
+            self._turn += 1
+            turn = self._turn
+            rng = random.Random(self._rng.random())
+        return rank(self._config.policy, loads, turn, rng, num_blocks, self._config.prefix_weights)
+
     def _reserve(
-        self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext
+        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
     ) -> tuple[Instance, pb.Reservation]:
-        names = rank(self._config.policy, self._registry.loads("decode"), self._next_turn())
+        names = self._rank("decode", request, overlap)
         last_error = "no healthy decode instance"
         for name in names:
             instance = self._registry.acquire(name)
@@ -147,6 +177,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         handoff: Handoff,
         request: pb.WorkerRequest,
         reservation: pb.Reservation,
+        overlap: dict[str, int],
         timings: pb.Timings,
         context: grpc.ServicerContext,
     ) -> pb.TokenLogprob | None:
@@ -155,7 +186,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         if should_skip_prefill(num_prompt, reservation.num_cached_tokens, self._config.min_prefill_tokens):
             timings.prefill_skipped = True
             return None
-        names = rank(self._config.policy, self._registry.loads("prefill"), self._next_turn())
+        names = self._rank("prefill", request, overlap)
         if not names:
             return self._prefill_failed(handoff, timings, context, "no healthy prefill instance")
         instance = self._registry.acquire(names[0])
@@ -240,6 +271,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             request_id=msg.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt,
             sampling_params=msg.sampling_params,
+            extra_keys=[msg.tenant_salt] if msg.tenant_salt else [],
         )
 
     def _tokenize(self, msg: pb.GenerateRequest) -> list[int]:
@@ -256,11 +288,6 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequestError("the chat has no messages: send at least one")
             return list(apply_chat_template(self._tokenizer, messages))
         raise InvalidRequestError("the request has no prompt: set text, token_ids or chat")
-
-    def _next_turn(self) -> int:
-        with self._lock:
-            self._turn += 1
-            return self._turn
 
 
 def _failure_policy(name: str) -> pb.FailurePolicy:

@@ -5,7 +5,16 @@ import pytest
 from engine.errors import ConfigError
 from router.config import RouterConfig
 from router.handoff import Handoff, HandoffState, InvalidTransition
-from router.policy import InstanceLoad, least_loaded, rank, round_robin, should_skip_prefill
+from router.policy import (
+    InstanceLoad,
+    PrefixWeights,
+    least_loaded,
+    power_of_two,
+    prefix_aware,
+    rank,
+    round_robin,
+    should_skip_prefill,
+)
 
 
 def _load(name: str, inflight: int = 0, waiting: int = 0, usage: float = 0.0, healthy: bool = True) -> InstanceLoad:
@@ -77,3 +86,29 @@ def test_router_config_errors_name_the_key() -> None:
     with pytest.raises(ConfigError, match="unknown key"):
         RouterConfig.from_dict({"polcy": "round_robin"})
     assert RouterConfig.from_dict(None).on_transfer_failure == "recompute"
+
+
+def test_power_of_two_picks_the_lighter_of_two_random() -> None:
+    import random
+
+    loads = [_load("a", inflight=5), _load("b", inflight=1), _load("c", inflight=3), _load("d", healthy=False)]
+    firsts = {power_of_two(loads, random.Random(seed))[0] for seed in range(50)}
+    assert "a" not in firsts  # a is never the lighter of any pair
+    assert firsts <= {"b", "c"}
+    assert sorted(power_of_two(loads, random.Random(1))) == ["a", "b", "c"]
+
+
+def test_prefix_aware_prefers_overlap_then_load_with_random_ties() -> None:
+    import random
+
+    weights = PrefixWeights(overlap=2.0, usage=1.0, load=1.0)
+    holder = InstanceLoad("holder", True, 1, num_cached_blocks=60, kv_cache_usage=0.3)
+    idle = InstanceLoad("idle", True, 0)
+    assert prefix_aware([idle, holder], 64, weights, random.Random(0))[0] == "holder"
+    # Overloaded enough, the holder loses to an idle instance.
+    swamped = InstanceLoad("holder", True, 40, num_waiting=40, num_cached_blocks=8, kv_cache_usage=0.95)
+    assert prefix_aware([idle, swamped], 64, weights, random.Random(0))[0] == "idle"
+    # Equal instances: ties broken at random, so both get picked.
+    twins = [InstanceLoad("x", True, 0), InstanceLoad("y", True, 0)]
+    assert {prefix_aware(twins, 64, weights, random.Random(s))[0] for s in range(20)} == {"x", "y"}
+    assert prefix_aware([InstanceLoad("z", False, 0)], 64, weights, random.Random(0)) == []
