@@ -109,7 +109,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
     ) -> Iterator[pb.GenerateResponse]:
         overlap = self._overlap(request)
         decode, reservation = self._reserve(handoff, request, overlap, context)
-        timings = pb.Timings()
+        timings = pb.Timings(decode_cached_tokens=reservation.num_cached_tokens)
         try:
             timings.router_s = time.monotonic() - arrival
             first_token = self._prefill(handoff, request, reservation, overlap, timings, context)
@@ -215,6 +215,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         timings.prefill_compute_s = reply.compute_s
         timings.transfer_s = reply.transfer_s
         timings.num_kv_blocks_sent = reply.num_blocks_sent
+        timings.prefill_cached_tokens = reply.num_cached_tokens
         if reply.transfer_status not in (pb.TRANSFER_DONE, pb.TRANSFER_SKIPPED):
             return self._prefill_failed(handoff, timings, context, f"{instance.name}: KV transfer failed: {reply.transfer_error}")
         if not handoff.advance(HandoffState.TRANSFERRED):
@@ -245,6 +246,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     timings.recomputed = timings.recomputed or response.timings.recomputed
                     first = False
                 if response.finish_reason:
+                    # Cached where the prompt was computed: on decode, or on prefill.
+                    cached = max(response.usage.cached_tokens, timings.prefill_cached_tokens)
+                    response.usage.cached_tokens = cached
                     timings.total_s = time.monotonic() - arrival
                     response.timings.CopyFrom(timings)
                     handoff.advance(HandoffState.FINISHED)
