@@ -1,6 +1,7 @@
-"""The sending side of the cuda_ipc tests, in its own process (CUDA IPC handles cannot be
-opened by the process that made them): `python -m tests.kv_transfer.cuda_ipc_sender
-ENDPOINT TRANSFER_ID LAYOUT_BLOCK_SIZE`. Pushes every layer of blocks [0, 1, 2, 5, 6] into
+"""The sending side of the GPU transfer tests, in its own process (CUDA IPC handles cannot
+be opened by the process that made them; NCCL wants one rank per process):
+`python -m tests.kv_transfer.cuda_ipc_sender ENDPOINT TRANSFER_ID BLOCK_SIZE [DEVICE]`.
+The backend is the endpoint's scheme. Pushes every layer of blocks [0, 1, 2, 5, 6] into
 [7, 8, 9, 3, 4] and prints the outcome."""
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ import sys
 
 import torch
 
+from kv_transfer import make_sender
 from kv_transfer.base import KVLayout, TransferStatus
-from kv_transfer.cuda_ipc import CudaIpcSender
 from tests.kv_transfer.caches import MODEL, random_caches
 
 
 def main() -> None:
     endpoint, transfer_id, block_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    caches = [c.cuda() for c in random_caches(seed=1, block_size=block_size)]
-    sender = CudaIpcSender(caches, KVLayout.from_kv_caches(caches, MODEL), "ipc-prefill")
+    device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cuda:0")
+    caches = [c.to(device) for c in random_caches(seed=1, block_size=block_size)]
+    sender = make_sender(endpoint, caches, KVLayout.from_kv_caches(caches, MODEL), "gpu-prefill")
     for layer in range(len(caches)):
         sender.push_layer(endpoint, transfer_id, layer, [0, 1, 2, 5, 6], [7, 8, 9, 3, 4])
     status = sender.wait(transfer_id, 30.0)
