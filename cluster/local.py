@@ -12,7 +12,6 @@ on multi-GPU machines.)
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -27,10 +26,11 @@ from typing import Any
 
 import yaml
 
+from engine.config import build_section
 from engine.errors import ConfigError
 from kv_index.redis_server import EmbeddedRedis, start_embedded_redis
+from proto.rpc import TOKEN_ENV
 
-TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # same name the services read (proto.worker_main)
 TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
 
 
@@ -56,12 +56,7 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ClusterConfig:
-        data = data or {}
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - valid
-        if unknown:
-            raise ConfigError(f"unknown key(s) cluster.{sorted(unknown)}; valid keys: {sorted(valid)}")
-        config = cls(**data)
+        config: ClusterConfig = build_section(cls, "cluster", data)
         config.validate()
         return config
 

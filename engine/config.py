@@ -106,7 +106,7 @@ class EngineConfig:
             if key not in top:
                 raise ConfigError(f"unknown key {key!r}; valid keys: {sorted(top)}")
             if key in sections:
-                kwargs[key] = _build(sections[key], key, value)
+                kwargs[key] = build_section(sections[key], key, value)
             else:
                 kwargs[key] = value
         config = cls(**kwargs)
@@ -155,7 +155,8 @@ def _nest(options: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def _build(section: type, name: str, value: Any) -> Any:
+def build_section(section: type, name: str, value: Any) -> Any:
+    """The dataclass `section` from a YAML mapping; unknown keys name the valid ones."""
     if value is None:
         value = {}
     if not isinstance(value, dict):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.base import KVLayout, KVTransferError, TransferStatus
+from kv_transfer.base import KVLayout, KVTransferError, TransferStatus, parse_endpoint
 from kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
 from proto import kv_transfer_pb2 as kvpb
 
@@ -235,8 +235,7 @@ class CudaIpcReceiver:
 
 class _Peer:
     def __init__(self, endpoint: str, handshake: bytes, kv_caches: Sequence[torch.Tensor]) -> None:
-        host, _, port = endpoint.removeprefix("cuda_ipc://").rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock = socket.create_connection(parse_endpoint(endpoint, "cuda_ipc"), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.lock = threading.Lock()
         _send_frame(self.sock, _HANDSHAKE, handshake)

@@ -64,13 +64,13 @@ from kv_transfer.base import (
     parse_endpoint,
     unpack_frame,
 )
+from kv_transfer.torch_dist_io import local_address_towards, pair_group, pop, wait_done
 from kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
 from proto import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=10)
-_OP_TIMEOUT = datetime.timedelta(seconds=60)  # one payload, once its header has arrived
 _IDLE_TIMEOUT = datetime.timedelta(days=1)  # a blocking pop; on timeout it just pops again
 _JOIN_TIMEOUT_S = 15.0
 _MAX_SENDS_IN_FLIGHT = 64  # per connection
@@ -88,44 +88,6 @@ def _close_open_objects() -> None:
     # ("terminate called without an active exception"); stop them first.
     for obj in list(_open_objects):
         obj.close()
-
-
-def _pair_group(store: dist.Store, rank: int, device: torch.device, address: str) -> Any:
-    """The 2-rank group of one sender (rank 1) and one receiver (rank 0)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this thread's NCCL communicator lives on the cache's GPU
-        nccl = dist.ProcessGroupNCCL  # present in CUDA builds only
-        options = nccl.Options()
-        options._timeout = _OP_TIMEOUT
-        return nccl(store, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    options._timeout = _OP_TIMEOUT
-    return dist.ProcessGroupGloo(store, rank, 2, options)
-
-
-def _wait_done(work: Any, data: torch.Tensor) -> None:
-    """Wait for a send (its buffer is reusable) or a receive (its bytes have landed)."""
-    work.wait()
-    if data.is_cuda:  # NCCL's wait only orders the current stream against its own
-        torch.cuda.current_stream(data.device).synchronize()
-
-
-def _pop(store: dist.Store, key: str) -> bytes:
-    """Block until `key`'s queue has a message; b"" means: stop serving this peer."""
-    while True:
-        try:
-            return bytes(store.queue_pop(key))
-        except dist.DistStoreError as e:
-            if "timeout" not in str(e):
-                raise
-
-
-def _local_address_towards(host: str, port: int) -> str:
-    """The address of this machine's interface that routes to host (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return str(probe.getsockname()[0])
 
 
 class TorchDistReceiver:
@@ -196,7 +158,7 @@ class TorchDistReceiver:
 
     def _watch_joins(self) -> None:
         joins = self._client(_IDLE_TIMEOUT)
-        while (message := _pop(joins, "joins")) and not self._closed.is_set():
+        while (message := pop(joins, "joins")) and not self._closed.is_set():
             index = int(message)
             thread = threading.Thread(
                 target=self._serve_peer, args=(index,), name=f"kv-recv-peer{index}", daemon=True
@@ -215,7 +177,7 @@ class TorchDistReceiver:
 
     def _serve_chunks(self, index: int) -> None:
         ctl = dist.PrefixStore(f"peer{index}", self._client(_IDLE_TIMEOUT))
-        messages = unpack_frame(_pop(ctl, "ctl"))
+        messages = unpack_frame(pop(ctl, "ctl"))
         if not messages:
             return
         reply = self._table.answer_handshake(kv_transfer_pb2.Handshake.FromString(messages[0]))
@@ -223,8 +185,8 @@ class TorchDistReceiver:
         if not reply.accepted:
             return
         group_store = dist.PrefixStore(f"peer{index}/group", self._client(_CONNECT_TIMEOUT))
-        group = _pair_group(group_store, 0, self._device, self._host)
-        while messages := unpack_frame(_pop(ctl, "ctl")):
+        group = pair_group(group_store, 0, self._device, self._host)
+        while messages := unpack_frame(pop(ctl, "ctl")):
             headers = [kv_transfer_pb2.KVChunkHeader.FromString(m) for m in messages]
             for header in headers:
                 self._table.check_header(header)
@@ -243,7 +205,7 @@ class TorchDistReceiver:
             landed = False
             if error is None:
                 try:
-                    _wait_done(work, target)
+                    wait_done(work, target)
                     landed = True
                 except _CONNECTION_ERRORS as e:
                     error = e  # the pair is closed: the later receives write nothing either
@@ -312,9 +274,9 @@ class _DistPeer:
         if not reply.accepted:
             self.failure = reply.error
             return ctl
-        address = _local_address_towards(self.host, self.port)
+        address = local_address_towards(self.host, self.port)
         group_store = dist.PrefixStore(f"peer{index}/group", client)
-        self.group = _pair_group(group_store, 1, self.device, address)
+        self.group = pair_group(group_store, 1, self.device, address)
         return ctl
 
     def _send_all(self, ctl: dist.Store, in_flight: deque[tuple[OutgoingChunk, Any]]) -> None:
@@ -346,7 +308,7 @@ class _DistPeer:
 
     def _retire_oldest(self, in_flight: deque[tuple[OutgoingChunk, Any]]) -> None:
         chunk, work = in_flight[0]
-        _wait_done(work, chunk.payload)  # on error it stays in flight, and _run fails it
+        wait_done(work, chunk.payload)  # on error it stays in flight, and _run fails it
         in_flight.popleft()
         self.table.done(chunk.header.transfer_id)
 

@@ -25,7 +25,7 @@ Lifecycle of a transfer:
 
 Threads: ucxx has one UCX context and worker per process, and its request notifier wakes
 one asyncio loop, so every UcxSender and UcxReceiver of a process shares one event-loop
-thread (`_UcxLoop`). With a loop per object ucxx falls back to polling each pending
+thread (`ucx_io.UcxLoop`). With a loop per object ucxx falls back to polling each pending
 request from its loop, which costs a full core per idle receiver. Each completion still
 costs a trip through ucxx's notifier thread, so sends and receives are kept in flight
 rather than awaited one by one.
@@ -37,15 +37,12 @@ address written into `endpoint`, the one senders connect to.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import threading
-import weakref
 from collections import deque
-from collections.abc import Coroutine, Sequence
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import ucxx
 from google.protobuf.message import DecodeError
@@ -57,111 +54,33 @@ from kv_transfer.base import (
     TransferStatus,
     check_kv_caches,
     describe_error,
-    flat_bytes,
     pack_frames,
     parse_endpoint,
-    unpack_frame,
 )
 from kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
+from kv_transfer.ucx_io import (
+    BYTES_TAG,
+    CONNECT_TIMEOUT_S,
+    MAX_FRAME_BYTES,
+    UcxLoop,
+    as_buffer,
+    recv,
+    recv_frame,
+    send,
+    send_frame,
+)
 from proto import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_CONNECT_TIMEOUT_S = 10.0
 _CLOSE_TIMEOUT_S = 10.0
-_MAX_FRAME_BYTES = 1 << 16  # the frame receive buffer; the sender packs frames to fit
 _MAX_SENDS_IN_FLIGHT = 64  # per connection
 _MAX_RECEIVES_IN_FLIGHT = 64  # per connection
 _NUM_FRAMES_AHEAD = 2  # per connection
-# Headers and bytes travel under two tags so that frame receives can be posted ahead of
-# the byte receives they announce; UCX matches each tag's messages in posting order.
-_FRAME_TAG, _BYTES_TAG = 1, 2
 _EVENT_POLL_S = 1e-4
 _CONNECTION_ERRORS = (UCXError, KVTransferError, DecodeError, asyncio.TimeoutError, OSError)
-
-
-class _UcxLoop:
-    """The process's one asyncio loop for UCX, in a daemon thread, started on first use."""
-
-    _instance: ClassVar[_UcxLoop | None] = None
-    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
-
-    @classmethod
-    def get(cls, on_cpu: bool) -> _UcxLoop:
-        with cls._instance_lock:
-            if cls._instance is None:
-                cls._instance = cls(on_cpu)
-            return cls._instance
-
-    def __init__(self, on_cpu: bool) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.open_objects: weakref.WeakSet[UcxSender | UcxReceiver] = weakref.WeakSet()
-        thread = threading.Thread(target=self.loop.run_forever, name="kv-transfer-ucx", daemon=True)
-        thread.start()
-        self.run(self._init_ucx(on_cpu), _CONNECT_TIMEOUT_S)
-        atexit.register(self._close_open_objects)
-
-    @staticmethod
-    async def _init_ucx(on_cpu: bool) -> None:
-        # Runs in the loop so that ucxx binds its request notifier to it. ucxx itself sets
-        # UCX_MEMTYPE_CACHE, which this UCX build does not know and warns about on stderr.
-        options = {"WARN_UNUSED_ENV_VARS": "n"}
-        if on_cpu:
-            # Listener endpoints between host buffers; an explicit UCX_TLS still wins.
-            options["TLS"] = "tcp"
-        try:
-            ucxx.init(options=options, env_takes_precedence=True, enable_python_future=True)
-        except RuntimeError as e:
-            raise KVTransferError(
-                "ucxx was initialised before kv_transfer started its UCX loop; let "
-                "kv_transfer be the first user of ucxx in this process"
-            ) from e
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """Run `coro` on the loop and wait for its result (never call from the loop itself)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def _close_open_objects(self) -> None:
-        # Endpoints torn down by the interpreter's exit print tracebacks; close them first.
-        for obj in list(self.open_objects):
-            obj.close()
-
-
-def _buffer(tensor: torch.Tensor) -> Any:
-    """What ucxx sends from or receives into: the tensor's bytes, in place."""
-    data = flat_bytes(tensor)
-    return data if data.is_cuda else data.numpy()  # CUDA: __cuda_array_interface__
-
-
-def _top_up_futures() -> None:
-    """ucxx gives every request a future from a per-process pool of 100 that only its
-    notifier thread refills (when under 50), and warns on stderr each time the pool runs
-    dry; top it up before each request (a no-op while 50 or more are left)."""
-    ucxx.core._get_ctx().worker.populate_python_futures_pool()
-
-
-async def _send(ep: Any, buffer: Any, tag: int) -> None:
-    _top_up_futures()
-    await ep.send(buffer, tag=tag)
-
-
-async def _recv(ep: Any, buffer: Any, tag: int) -> None:
-    _top_up_futures()
-    await ep.recv(buffer, tag=tag)
-
-
-async def _send_frame(ep: Any, frame: bytes) -> None:
-    await _send(ep, np.frombuffer(frame, dtype=np.uint8), _FRAME_TAG)
-
-
-async def _recv_frame(ep: Any) -> list[bytes]:
-    """The protobufs of the next frame, received into a buffer of the largest frame size
-    (UCX accepts a shorter message; the frame's zero length marks its end)."""
-    buffer = np.empty(_MAX_FRAME_BYTES, dtype=np.uint8)
-    await _recv(ep, buffer, _FRAME_TAG)
-    return unpack_frame(buffer.data.cast("B").tobytes())
 
 
 class UcxReceiver:
@@ -174,10 +93,10 @@ class UcxReceiver:
     ) -> None:
         check_kv_caches(kv_caches)
         self._table = ReceiveTable(kv_caches, layout)
-        self._ucx = _UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
+        self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
         self._handlers: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._listener = self._ucx.run(self._listen(port), _CONNECT_TIMEOUT_S)
+        self._listener = self._ucx.run(self._listen(port), CONNECT_TIMEOUT_S)
         self.endpoint = f"ucx://{host}:{self._listener.port}"
         self._ucx.open_objects.add(self)
 
@@ -227,19 +146,19 @@ class UcxReceiver:
             ep.abort()
 
     async def _handshake(self, ep: Any) -> bool:
-        (message,) = await _recv_frame(ep)
+        (message,) = await recv_frame(ep)
         reply = self._table.answer_handshake(kv_transfer_pb2.Handshake.FromString(message))
-        (frame,) = pack_frames([reply.SerializeToString()], _MAX_FRAME_BYTES)
-        await _send_frame(ep, frame)
+        (frame,) = pack_frames([reply.SerializeToString()], MAX_FRAME_BYTES)
+        await send_frame(ep, frame)
         return reply.accepted
 
     async def _serve_chunks(self, ep: Any) -> None:
-        frames = deque(asyncio.ensure_future(_recv_frame(ep)) for _ in range(_NUM_FRAMES_AHEAD))
+        frames = deque(asyncio.ensure_future(recv_frame(ep)) for _ in range(_NUM_FRAMES_AHEAD))
         receives: set[asyncio.Task[Any]] = set()
         try:
             while True:
                 messages = await frames.popleft()
-                frames.append(asyncio.ensure_future(_recv_frame(ep)))
+                frames.append(asyncio.ensure_future(recv_frame(ep)))
                 for message in messages:
                     header = kv_transfer_pb2.KVChunkHeader.FromString(message)
                     self._table.check_header(header)
@@ -259,7 +178,7 @@ class UcxReceiver:
         scratch); the table learns when it ends, without anyone awaiting it."""
         dst = self._table.begin_chunk(header)
         target = self._table.scratch(header) if dst is None else dst
-        task = asyncio.ensure_future(_recv(ep, _buffer(target), _BYTES_TAG))
+        task = asyncio.ensure_future(recv(ep, as_buffer(target), BYTES_TAG))
 
         def finished(task: asyncio.Task[Any]) -> None:
             receives.discard(task)
@@ -321,14 +240,14 @@ class _UcxPeer:
         # Fail at once if nothing listens there: ucxx's create_endpoint to a closed port
         # sometimes misses the error and waits out its whole connect timeout.
         _, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), _CONNECT_TIMEOUT_S
+            asyncio.open_connection(self.host, self.port), CONNECT_TIMEOUT_S
         )
         writer.close()
         await writer.wait_closed()
-        ep = await ucxx.create_endpoint(self.host, self.port, connect_timeout=_CONNECT_TIMEOUT_S)
-        (frame,) = pack_frames([self.handshake], _MAX_FRAME_BYTES)
-        await _send_frame(ep, frame)
-        (message,) = await asyncio.wait_for(_recv_frame(ep), _CONNECT_TIMEOUT_S)
+        ep = await ucxx.create_endpoint(self.host, self.port, connect_timeout=CONNECT_TIMEOUT_S)
+        (frame,) = pack_frames([self.handshake], MAX_FRAME_BYTES)
+        await send_frame(ep, frame)
+        (message,) = await asyncio.wait_for(recv_frame(ep), CONNECT_TIMEOUT_S)
         reply = kv_transfer_pb2.HandshakeReply.FromString(message)
         if not reply.accepted:
             self.failure = reply.error
@@ -339,8 +258,8 @@ class _UcxPeer:
     ) -> None:
         """Start the sends of the next queued push, or retire the oldest send in flight."""
         if in_flight and (self.queue.empty() or len(in_flight) >= _MAX_SENDS_IN_FLIGHT):
-            chunk, send = in_flight[0]
-            await send  # on error it stays in flight, and pump() fails it
+            chunk, oldest = in_flight[0]
+            await oldest  # on error it stays in flight, and pump() fails it
             in_flight.popleft()
             if chunk is not None:
                 self.table.done(chunk.header.transfer_id)
@@ -353,11 +272,11 @@ class _UcxPeer:
                 await asyncio.sleep(_EVENT_POLL_S)
         # Tasks start in creation order, so the sends are posted in this order.
         headers = [chunk.header.SerializeToString() for chunk in chunks]
-        for frame in pack_frames(headers, _MAX_FRAME_BYTES):
-            in_flight.append((None, asyncio.ensure_future(_send_frame(ep, frame))))
+        for frame in pack_frames(headers, MAX_FRAME_BYTES):
+            in_flight.append((None, asyncio.ensure_future(send_frame(ep, frame))))
         for chunk in chunks:
-            send = asyncio.ensure_future(_send(ep, _buffer(chunk.payload), _BYTES_TAG))
-            in_flight.append((chunk, send))
+            sending = asyncio.ensure_future(send(ep, as_buffer(chunk.payload), BYTES_TAG))
+            in_flight.append((chunk, sending))
 
 
 class UcxSender:
@@ -368,7 +287,7 @@ class UcxSender:
         self._handshake = kv_transfer_pb2.Handshake(
             layout=layout.to_proto(), sender_id=sender_id
         ).SerializeToString()
-        self._ucx = _UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
+        self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
         self._peers: dict[str, _UcxPeer] = {}
         self._all_peers: list[_UcxPeer] = []
         self._lock = threading.Lock()
@@ -410,7 +329,7 @@ class UcxSender:
             peer = self._peers.get(endpoint)
             if peer is None or peer.broken:
                 peer = _UcxPeer(endpoint, self._handshake, self._table)
-                self._ucx.run(self._start(peer), _CONNECT_TIMEOUT_S)
+                self._ucx.run(self._start(peer), CONNECT_TIMEOUT_S)
                 self._peers[endpoint] = peer
                 self._all_peers.append(peer)
             return peer

@@ -9,8 +9,13 @@ process on the host cannot reserve blocks or push prompts.
 from __future__ import annotations
 
 import hmac
+import json
+import os
+import signal
+import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -18,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 TOKEN_METADATA_KEY = "x-cluster-token"
+TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 # Prompts and streamed responses can exceed gRPC's 4 MiB default.
@@ -121,3 +127,17 @@ def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) ->
     """End the call with `code` and a message that says what to change."""
     context.abort(code, message)
     raise AssertionError("grpc's context.abort returned")  # it raises; this tells type checkers
+
+
+def announce_and_wait(server: grpc.Server, port: int, ready_file: Path | None, **info: Any) -> None:
+    """Write `ready_file` (JSON: port, pid, info) for whoever started this process, then
+    block until SIGTERM/SIGINT and stop the server, giving calls in flight 5 s."""
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), **info}))
+        tmp.replace(ready_file)  # readers never see a half-written file
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=5).wait()

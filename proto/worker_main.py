@@ -5,11 +5,8 @@ common ground.)"""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +18,7 @@ from engine.engine_core import EngineCore
 from engine.engine_loop import EngineLoop
 from engine.tokenizer import load_tokenizer
 from kv_index import BlockEventPublisher
-from proto.rpc import make_server
-
-TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
+from proto.rpc import TOKEN_ENV, announce_and_wait, make_server
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -70,15 +65,7 @@ def serve(
     publisher = _start_publisher(args, loop, f"{args.host}:{port}") if args.redis_url else None
     server.start()
     logging.getLogger(__name__).info("%s serving on %s:%d", service_name, args.host, port)
-    if args.ready_file is not None:
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), **ready_info}))
-        tmp.replace(args.ready_file)  # readers never see a half-written file
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.stop(grace=5).wait()
+    announce_and_wait(server, port, args.ready_file, **ready_info)
     if publisher is not None:
         publisher.close()
 

@@ -5,12 +5,9 @@ Serves the client Generation API, routing to the given prefill and decode instan
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import yaml
@@ -20,8 +17,7 @@ from engine.loader import resolve
 from engine.tokenizer import load_tokenizer
 from kv_index import PrefixIndex
 from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import make_server
-from proto.worker_main import TOKEN_ENV
+from proto.rpc import TOKEN_ENV, announce_and_wait, make_server
 from router.config import RouterConfig
 from router.registry import Registry
 from router.servicer import RouterServicer
@@ -61,15 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     server.start()
     logging.getLogger(__name__).info("router serving on %s:%d", config.host, bound)
-    if args.ready_file is not None:
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": bound, "pid": os.getpid()}))
-        tmp.replace(args.ready_file)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.stop(grace=5).wait()
+    announce_and_wait(server, bound, args.ready_file)
     registry.close()
     return 0
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import build_section
 from engine.errors import ConfigError
 from router.policy import POLICIES, PrefixWeights
 
@@ -49,11 +49,6 @@ class RouterConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> RouterConfig:
-        data = data or {}
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - valid
-        if unknown:
-            raise ConfigError(f"unknown key(s) router.{sorted(unknown)}; valid keys: {sorted(valid)}")
-        config = cls(**data)
+        config: RouterConfig = build_section(cls, "router", data)
         config.validate()
         return config

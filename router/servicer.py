@@ -141,8 +141,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         with self._lock:
             self._turn += 1
             turn = self._turn
-            rng = random.Random(self._rng.random())
-        return rank(self._config.policy, loads, turn, rng, num_blocks, self._config.prefix_weights)
+        return rank(self._config.policy, loads, turn, self._rng, num_blocks, self._config.prefix_weights)
 
     def _reserve(
         self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext

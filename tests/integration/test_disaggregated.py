@@ -19,11 +19,11 @@ import grpc
 import pytest
 
 from cluster.client import Client
-from cluster.local import TOKEN_ENV, LocalCluster
+from cluster.local import LocalCluster
 from engine import LLM, SamplingParams
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import make_channel
+from proto.rpc import TOKEN_ENV, make_channel
 
 pytestmark = pytest.mark.slow
 
