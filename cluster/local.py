@@ -29,7 +29,7 @@ import yaml
 from engine.config import build_section
 from engine.errors import ConfigError
 from kv_index.redis_server import EmbeddedRedis, start_embedded_redis
-from proto.rpc import TOKEN_ENV
+from proto.rpc import API_KEY_ENV, TOKEN_ENV
 
 TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
 
@@ -77,6 +77,8 @@ class LocalCluster:
         config: ClusterConfig,
         log_dir: str | Path | None = None,
         router_port: int = 0,
+        http_port: int = 0,
+        api_key: str = "",
     ) -> None:
         self.config_path = Path(config_path)
         self.config = config
@@ -84,10 +86,13 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)
         self.router_port = router_port
+        self.http_port = http_port
+        self.api_key = api_key  # the client API key the router demands ("": none)
         self.processes: list[_Process] = []
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
-        self.router_address = ""
+        self.router_address = ""  # gRPC client API
+        self.http_address = ""  # OpenAI-compatible HTTP API: "http://host:port"
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis_url
         self._wants_prefix_index = False
@@ -114,7 +119,7 @@ class LocalCluster:
                 self._wait_ready(process)
             self.prefill_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("prefill")]
             self.decode_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("decode")]
-            args = ["--port", str(self.router_port)]
+            args = ["--port", str(self.router_port), "--http-port", str(self.http_port)]
             if self.redis_url:
                 args += ["--redis-url", self.redis_url]
             for address in self.prefill_addresses:
@@ -124,10 +129,22 @@ class LocalCluster:
             router = self._spawn("router", "router", args)
             self._wait_ready(router)
             self.router_address = f"{self.config.host}:{router.info['port']}"
+            self.http_address = f"http://{self.config.host}:{router.info['http_port']}"
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def metrics_addresses(self) -> dict[str, str]:
+        """Process name -> "http://host:port" serving its Prometheus /metrics (the router's is
+        its HTTP front)."""
+        addresses = {}
+        for p in self.processes:
+            port = p.info.get("metrics_port", p.info.get("http_port"))
+            if port:
+                addresses[p.name] = f"http://{self.config.host}:{port}"
+        return addresses
 
     def process(self, name: str) -> _Process:
         return next(p for p in self.processes if p.name == name)
@@ -173,6 +190,8 @@ class LocalCluster:
                 cmd += ["--redis-url", self.redis_url]
         cmd += extra or []
         env = {**os.environ, TOKEN_ENV: self.token}
+        if module == "router":
+            env[API_KEY_ENV] = self.api_key
         with open(log, "wb") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd())
         process = _Process(name, popen, ready, log)

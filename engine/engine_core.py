@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -53,6 +53,10 @@ class EngineStats:
     num_preemptions: int
     num_transferring: int = 0
     num_total_blocks: int = 0
+    # Since start: prompts computed here, tokens sampled here, finished requests by reason.
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_finished: dict[str, int] = field(default_factory=dict)
 
 
 class KVPush(Protocol):
@@ -82,7 +86,7 @@ class EngineCore:
         arch = self.model.config
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_id
-        self.max_model_len = _max_model_len(config, arch.max_position_embeddings)
+        self.max_model_len = max_model_len(config, arch.max_position_embeddings)
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
@@ -264,6 +268,9 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_transferring=len(self.scheduler.transferring),
             num_total_blocks=self.kv.pool.num_blocks,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
+            num_generation_tokens=self.scheduler.num_generation_tokens,
+            num_finished=dict(self.scheduler.num_finished),
         )
 
 
@@ -282,7 +289,8 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _max_model_len(config: EngineConfig, max_position: int) -> int:
+def max_model_len(config: EngineConfig, max_position: int) -> int:
+    """The context length an engine of `config` serves (the model's, unless set lower)."""
     asked = config.scheduler.max_model_len
     if asked is None:
         return max_position

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 TOKEN_METADATA_KEY = "x-cluster-token"
 TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
+API_KEY_ENV = "VLLM_API_KEY"  # the client API key when router.api_key is empty (vLLM's name)
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 # Prompts and streamed responses can exceed gRPC's 4 MiB default.
@@ -33,23 +34,25 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class _TokenCheck(grpc.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
+class _SecretCheck(grpc.ServerInterceptor):
+    """Refuse calls whose metadata `key` is not `expected` (compared in constant time)."""
+
+    def __init__(self, key: str, expected: str, message: str) -> None:
+        self._key = key
+        self._expected = expected.encode()
+        self._message = message
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
         if handler is None or details.method.startswith(_OPEN_PREFIXES):
             return handler
-        given = dict(details.invocation_metadata).get(TOKEN_METADATA_KEY, "")
-        if hmac.compare_digest(str(given).encode(), self._token):
+        given = dict(details.invocation_metadata).get(self._key, "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
             return handler
-        return _refusal(handler)
+        return _refusal(handler, self._message)
 
 
-def _refusal(handler: Any) -> Any:
-    message = "missing or wrong cluster token: start every process of the cluster with the same token"
-
+def _refusal(handler: Any, message: str) -> Any:
     def deny(request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
@@ -67,12 +70,25 @@ def make_server(
     service_names: Iterable[str],
     token: str | None = None,
     max_workers: int = 64,
+    api_key: str | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A server bound to `address` ("127.0.0.1:0" picks a port) with health and reflection.
 
+    `token`: the cluster token internal calls must carry. `api_key`: the key client calls
+    must carry as `authorization: Bearer <key>` metadata (the router's public side).
     Returns (server, bound port, health servicer). Add the services, then `server.start()`.
     """
-    interceptors = [_TokenCheck(token)] if token else []
+    interceptors: list[grpc.ServerInterceptor] = []
+    if token:
+        interceptors.append(_SecretCheck(
+            TOKEN_METADATA_KEY, token,
+            "missing or wrong cluster token: start every process of the cluster with the same token",
+        ))
+    if api_key:
+        interceptors.append(_SecretCheck(
+            "authorization", f"Bearer {api_key}",
+            "missing or wrong API key: send metadata `authorization: Bearer <key>`",
+        ))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,

@@ -11,14 +11,20 @@ import sys
 from pathlib import Path
 
 import yaml
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.config import EngineConfig
+from engine.engine_core import max_model_len
 from engine.loader import resolve
+from engine.models.config import ModelArchConfig
 from engine.tokenizer import load_tokenizer
 from kv_index import PrefixIndex
 from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import TOKEN_ENV, announce_and_wait, make_server
+from proto.rpc import API_KEY_ENV, TOKEN_ENV, announce_and_wait, make_server
 from router.config import RouterConfig
+from router.openai.app import HttpServer, build_app
+from router.openai.backend import RouterBackend
+from router.openai.serving import OpenAIServing
 from router.registry import Registry
 from router.servicer import RouterServicer
 
@@ -29,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", action="append", default=[], help="host:port of a prefill instance")
     parser.add_argument("--decode", action="append", default=[], help="host:port of a decode instance")
     parser.add_argument("--port", type=int, default=None, help="overrides router.port; 0 picks one")
+    parser.add_argument("--http-port", type=int, default=None, help="overrides router.http_port; 0 picks one")
     parser.add_argument("--redis-url", default=None, help="overrides router.redis_url")
     parser.add_argument("--ready-file", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -47,19 +54,41 @@ def main(argv: list[str] | None = None) -> int:
     prefix_index = None
     if config.redis_url and config.policy == "prefix_aware":
         prefix_index = PrefixIndex(config.redis_url, engine_config.model.model, config.prefix_index_timeout_s)
+    context_len = max_model_len(engine_config, ModelArchConfig.from_hf_dict(source.hf_config).max_position_embeddings)
     servicer = RouterServicer(
-        config, registry, tokenizer, engine_config.model.model, engine_config.scheduler.max_model_len or 0,
-        engine_config.cache.block_size, prefix_index,
+        config, registry, tokenizer, engine_config.model.model, context_len, engine_config.cache.block_size, prefix_index,
     )
     port = config.port if args.port is None else args.port
-    # The client API has no cluster token: it is the public side (API keys come with the HTTP front).
-    server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation"], token=None)
+    # The client API is the public side: no cluster token, the API key when one is configured.
+    api_key = config.api_key or os.environ.get(API_KEY_ENV, "")
+    server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation"], api_key=api_key or None)
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     server.start()
-    logging.getLogger(__name__).info("router serving on %s:%d", config.host, bound)
-    announce_and_wait(server, bound, args.ready_file)
+    serving = OpenAIServing(RouterBackend(f"127.0.0.1:{bound}", api_key), tokenizer, engine_config.model.model, context_len)
+    http = _start_http(config, args, serving, servicer, registry, api_key)
+    log = logging.getLogger(__name__)
+    log.info("router serving gRPC on %s:%d, OpenAI HTTP on http://%s:%d", config.host, bound, config.host, http.port)
+    announce_and_wait(server, bound, args.ready_file, http_port=http.port)
+    http.stop()
     registry.close()
     return 0
+
+
+def _start_http(
+    config: RouterConfig, args: argparse.Namespace, serving: OpenAIServing, servicer: RouterServicer,
+    registry: Registry, api_key: str,
+) -> HttpServer:
+    """The OpenAI front; `serving` calls this router's own gRPC API over loopback."""
+
+    def metrics() -> tuple[bytes, str]:
+        return generate_latest(servicer.metrics.registry), CONTENT_TYPE_LATEST
+
+    def is_healthy() -> bool:
+        return any(i.healthy for i in registry.of_role("decode"))
+
+    app = build_app(serving, api_key, config.max_request_bytes, is_healthy, metrics)
+    port = config.http_port if args.http_port is None else args.http_port
+    return HttpServer(app, config.host, port).start()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,13 @@ FAILURE_POLICIES = ("recompute", "fail")
 
 @dataclass(slots=True)
 class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
+    host: str = "127.0.0.1"  # both client listeners; "0.0.0.0" to serve other machines
+    port: int = 50051  # the gRPC client API
+    http_port: int = 8000  # the OpenAI-compatible HTTP API (and /metrics); 0 picks a free port
+    # Clients must send `Authorization: Bearer <key>` (HTTP header or gRPC metadata) on every
+    # route but /health. Empty: the VLLM_API_KEY environment variable, else no key.
+    api_key: str = ""
+    max_request_bytes: int = 16 * 1024 * 1024  # larger HTTP bodies get 413
     policy: str = "least_loaded"  # one of POLICIES
     # Prompts with fewer uncached tokens than this skip prefill: decode computes them.
     min_prefill_tokens: int = 64
@@ -41,6 +46,11 @@ class RouterConfig:
             raise ConfigError(f"router.policy: {self.policy!r} is not one of {POLICIES}")
         if self.on_transfer_failure not in FAILURE_POLICIES:
             raise ConfigError(f"router.on_transfer_failure: {self.on_transfer_failure!r} is not one of {FAILURE_POLICIES}")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"router.{name} must be a TCP port (0 picks a free one)")
+        if self.max_request_bytes < 1024:
+            raise ConfigError("router.max_request_bytes must be >= 1024")
         if self.min_prefill_tokens < 0:
             raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
         for name in ("lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s", "prefix_index_timeout_s"):

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front of the router: see app.py."""

@@ -1,0 +1,117 @@
+"""The HTTP front's way into the cluster: the router's own gRPC client API over loopback.
+
+Every HTTP request becomes one `Generate` call per choice, so both fronts share one
+request path (routing, hand-off, aborts, metrics) and a dropped HTTP client cancels its
+calls, which frees the blocks on every instance. gRPC status codes map to HTTP statuses
+here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import grpc
+
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.rpc import CHANNEL_OPTIONS
+from router.openai.protocol import ApiError
+
+RETRY_AFTER_S = 1
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def api_error(e: grpc.RpcError) -> ApiError:
+    code = e.code()
+    status = _HTTP_STATUS.get(code, 500)
+    retry = RETRY_AFTER_S if status in (429, 503) else None
+    return ApiError(status, e.details() or code.name, retry_after_s=retry)
+
+
+@dataclass(slots=True)
+class Piece:
+    """One streamed response of choice `index`."""
+
+    index: int
+    response: pb.GenerateResponse
+
+
+class RouterBackend:
+    def __init__(self, target: str, api_key: str = "") -> None:
+        self._target = target
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.GenerationStub | None = None
+
+    async def start(self) -> None:
+        """On the HTTP server's event loop: aio channels belong to the loop they start on."""
+        self._channel = grpc.aio.insecure_channel(self._target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def list_models(self) -> list[pb.ModelCard]:
+        assert self._stub is not None
+        try:
+            reply = await self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata, timeout=10.0)
+        except grpc.RpcError as e:
+            raise api_error(e) from e
+        return list(reply.models)
+
+    async def generate(self, requests: list[pb.GenerateRequest]) -> AsyncGenerator[Piece, None]:
+        """The pieces of all `requests` (the choices of one HTTP request) as they arrive.
+
+        The first failure ends the whole iteration with an ApiError and cancels the other
+        calls; leaving the iteration early (client gone) cancels every call still running.
+        """
+        assert self._stub is not None
+        stub = self._stub
+        queue: asyncio.Queue[Piece | ApiError | None] = asyncio.Queue()
+        calls = [stub.Generate(r, metadata=self._metadata) for r in requests]
+
+        async def pump(index: int, call: grpc.aio.UnaryStreamCall) -> None:
+            try:
+                async for response in call:
+                    queue.put_nowait(Piece(index, response))
+                queue.put_nowait(None)
+            except grpc.RpcError as e:
+                queue.put_nowait(api_error(e))
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+
+        tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, ApiError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for call in calls:
+                call.cancel()
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await asyncio.gather(*tasks, return_exceptions=True)

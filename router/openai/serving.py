@@ -1,0 +1,392 @@
+"""OpenAI's completions, chat completions and responses, over the cluster's Generate calls.
+
+Each handler turns its body into token ids (the chat template is applied here, so the
+context-length check sees the real prompt), fans out one Generate call per choice (`n`
+and batched prompts), and folds the streamed pieces into OpenAI's shapes: whole objects,
+or SSE chunks ending in `data: [DONE]` (responses: typed events). An error before the
+first token is an HTTP error; one after it is a final `data: {"error": ...}` frame.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.tokenizer import apply_chat_template
+from proto import cluster_pb2 as pb
+from router.openai.backend import Piece, RouterBackend
+from router.openai.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    _SamplingFields,
+    bad_request,
+)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    """vLLM's envelope."""
+    return {"error": {"message": e.message, "type": _ERROR_TYPES.get(e.status, "InternalServerError"), "param": e.param, "code": e.status}}
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+    409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
+    503: "ServiceUnavailableError", 504: "TimeoutError",
+}
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    usage: pb.Usage | None = None
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        self.text += response.text
+        self.token_ids += response.token_ids
+        self.logprobs += response.logprobs
+        if response.finish_reason:
+            self.finish_reason = response.finish_reason
+            self.stop_reason = response.stop_reason or None
+            self.usage = response.usage
+
+
+@dataclass
+class _Job:
+    """One HTTP request: its Generate calls (choice i*n + j: prompt i, sample j)."""
+
+    id: str
+    created: int
+    requests: list[pb.GenerateRequest]
+    prompt_lengths: list[int]
+    n: int
+    choices: list[_Choice]
+
+
+class OpenAIServing:
+    def __init__(self, backend: RouterBackend, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    # ---- completions
+
+    async def completions(self, body: CompletionRequest, request_id: str) -> dict[str, Any] | AsyncIterator[str]:
+        params = body.to_sampling_params()
+        prompts = [self._encode(p) for p in body.prompts()]
+        job = self._job(f"cmpl-{request_id}", body, prompts, params)
+        if body.stream:
+            return await self._start_stream(job, lambda pieces: self._completion_chunks(job, body, pieces))
+        await self._collect(job)
+        with_logprobs = body.logprobs is not None
+        return {
+            "id": job.id, "object": "text_completion", "created": job.created, "model": self.model_name,
+            "choices": [
+                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                 "logprobs": self._completion_logprobs(c.logprobs, 0) if with_logprobs else None}
+                for c in job.choices
+            ],
+            "usage": self._usage(job),
+        }
+
+    async def _completion_chunks(self, job: _Job, body: CompletionRequest, pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[str, None]:
+        offsets = [0] * len(job.choices)
+        async with aclosing(pieces):
+            async for piece in pieces:
+                r = piece.response
+                choice: dict[str, Any] = {"index": piece.index, "text": r.text, "finish_reason": r.finish_reason or None,
+                                          "stop_reason": r.stop_reason or None, "logprobs": None}
+                if body.logprobs is not None:
+                    choice["logprobs"] = self._completion_logprobs(list(r.logprobs), offsets[piece.index])
+                    offsets[piece.index] += len(r.text)
+                yield sse(self._chunk(job, "text_completion", choice, body.include_usage))
+        if body.include_usage:
+            yield sse({"id": job.id, "object": "text_completion", "created": job.created, "model": self.model_name,
+                       "choices": [], "usage": self._usage(job)})
+
+    # ---- chat completions
+
+    async def chat(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any] | AsyncIterator[str]:
+        params = body.to_sampling_params()
+        prompt = self._encode_chat(body.chat(), body.add_generation_prompt)
+        job = self._job(f"chatcmpl-{request_id}", body, [prompt], params)
+        if body.stream:
+            return await self._start_stream(job, lambda pieces: self._chat_chunks(job, body, pieces))
+        await self._collect(job)
+        return {
+            "id": job.id, "object": "chat.completion", "created": job.created, "model": self.model_name,
+            "choices": [
+                {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                 "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None}
+                for c in job.choices
+            ],
+            "usage": self._usage(job),
+        }
+
+    async def _chat_chunks(self, job: _Job, body: ChatCompletionRequest, pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[str, None]:
+        started = [False] * len(job.choices)
+        async with aclosing(pieces):
+            async for piece in pieces:
+                r = piece.response
+                delta: dict[str, Any] = {"content": r.text}
+                if not started[piece.index]:
+                    started[piece.index] = True
+                    delta["role"] = "assistant"
+                choice = {"index": piece.index, "delta": delta, "finish_reason": r.finish_reason or None,
+                          "logprobs": self._chat_logprobs(list(r.logprobs)) if body.logprobs else None}
+                if r.finish_reason:
+                    choice["stop_reason"] = r.stop_reason or None
+                yield sse(self._chunk(job, "chat.completion.chunk", choice, body.include_usage))
+        if body.include_usage:
+            yield sse({"id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                       "model": self.model_name, "choices": [], "usage": self._usage(job)})
+
+    # ---- responses
+
+    async def responses(self, body: ResponsesRequest, request_id: str) -> dict[str, Any] | AsyncIterator[str]:
+        chat = body.to_chat_request()
+        params = chat.to_sampling_params()
+        prompt = self._encode_chat(chat.chat(), True)
+        job = self._job(f"resp_{request_id}", chat, [prompt], params)
+        if body.stream:
+            return await self._start_stream(job, lambda pieces: self._response_events(job, body, pieces), done_marker=False)
+        await self._collect(job)
+        return self._response_object(job, body, "completed")
+
+    def _response_object(self, job: _Job, body: ResponsesRequest, status: str) -> dict[str, Any]:
+        c = job.choices[0]
+        output = []
+        if status != "in_progress":
+            output = [self._response_message(job, c.text, "completed")]
+            if c.finish_reason == "length":
+                status = "incomplete"
+        usage = None
+        if c.usage is not None:
+            usage = {"input_tokens": c.usage.prompt_tokens, "input_tokens_details": {"cached_tokens": c.usage.cached_tokens},
+                     "output_tokens": c.usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens}
+        return {
+            "id": job.id, "object": "response", "created_at": job.created, "status": status, "model": self.model_name,
+            "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": False,
+            "tool_choice": "auto", "tools": [], "metadata": {}, "text": {"format": {"type": "text"}},
+        }
+
+    def _response_message(self, job: _Job, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        return {"id": f"msg_{job.id[5:]}", "type": "message", "role": "assistant", "status": status, "content": content}
+
+    async def _response_events(self, job: _Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[str, None]:
+        seq = 0
+
+        def event(kind: str, **data: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data}, ensure_ascii=False)}\n\n"
+
+        item_id = f"msg_{job.id[5:]}"
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        yield event("response.created", response=self._response_object(job, body, "in_progress"))
+        yield event("response.in_progress", response=self._response_object(job, body, "in_progress"))
+        yield event("response.output_item.added", output_index=0, item=self._response_message(job, "", "in_progress"))
+        yield event("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": []})
+        async with aclosing(pieces):
+            async for piece in pieces:
+                if piece.response.text:
+                    yield event("response.output_text.delta", **where, delta=piece.response.text, logprobs=[])
+        text = job.choices[0].text
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        yield event("response.output_text.done", **where, text=text, logprobs=[])
+        yield event("response.content_part.done", **where, part=part)
+        yield event("response.output_item.done", output_index=0, item=self._response_message(job, text, "completed"))
+        yield event("response.completed", response=self._response_object(job, body, "completed"))
+
+    # ---- tokenizer routes
+
+    def tokenize(self, prompt: str | None, messages: list[dict[str, str]] | None, add_special_tokens: bool,
+                 add_generation_prompt: bool) -> dict[str, Any]:
+        if (prompt is None) == (messages is None):
+            raise bad_request("send exactly one of prompt or messages", "prompt")
+        tokenizer = self._need_tokenizer()
+        if messages is not None:
+            tokens = self._encode_chat(messages, add_generation_prompt)
+        else:
+            tokens = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+
+    def detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        tokenizer = self._need_tokenizer()
+        bad = [t for t in tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {len(tokenizer)})", "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
+
+    # ---- shared
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send token ids")
+        return self.tokenizer
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        return list(self._need_tokenizer().encode(prompt))
+
+    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        tokenizer = self._need_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        if add_generation_prompt:
+            return apply_chat_template(tokenizer, messages)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "input_ids") or isinstance(ids, dict) else ids)
+
+    def _job(self, job_id: str, body: _SamplingFields, prompts: list[list[int]], params: pb.SamplingParams) -> _Job:
+        if body.model and body.model != self.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist: this server serves `{self.model_name}`", "model")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            self._check_context(prompt, params)
+            for j in range(body.n):
+                request = pb.GenerateRequest(
+                    request_id=f"{job_id}-{i}-{j}", token_ids=pb.TokenIds(ids=prompt), sampling_params=params,
+                    tenant_salt=body.cache_salt or "",
+                )
+                if params.HasField("seed") and body.n > 1:
+                    request.sampling_params.seed = params.seed + j  # n samples, reproducible, not identical
+                requests.append(request)
+        choices = [_Choice(k) for k in range(len(requests))]
+        return _Job(job_id, int(time.time()), requests, [len(p) for p in prompts], body.n, choices)
+
+    def _check_context(self, prompt: list[int], params: pb.SamplingParams) -> None:
+        if not prompt:
+            raise bad_request("the prompt is empty; send at least one token", "prompt")
+        if len(prompt) >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{len(prompt)} input tokens. Please reduce the length of the input messages.", "messages")
+        if params.HasField("max_tokens") and len(prompt) + params.max_tokens > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the messages, {params.max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.", "max_tokens")
+
+    def _pieces(self, job: _Job) -> AsyncGenerator[Piece, None]:
+        return _folded(job, self.backend.generate(job.requests))
+
+    async def _collect(self, job: _Job) -> None:
+        async with aclosing(self._pieces(job)) as pieces:
+            async for _ in pieces:
+                pass
+
+    async def _start_stream(
+        self, job: _Job, make_events: Callable[[AsyncGenerator[Piece, None]], AsyncGenerator[str, None]],
+        done_marker: bool = True,
+    ) -> AsyncIterator[str]:
+        """Wait for the first token, so an error before it (overload, a bad parameter the
+        workers refuse) is a plain HTTP error rather than a 200 with an error frame."""
+        pieces = self._pieces(job)
+        try:
+            first = await anext(pieces)
+        except BaseException:
+            await pieces.aclose()
+            raise
+        return _stream(make_events(_prepend(first, pieces)), done_marker)
+
+    def _chunk(self, job: _Job, kind: str, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+        chunk = {"id": job.id, "object": kind, "created": job.created, "model": self.model_name, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _usage(self, job: _Job) -> dict[str, Any]:
+        # The prompt is counted once per prompt, not once per choice (as OpenAI does).
+        prompt_tokens = sum(job.prompt_lengths)
+        completion = sum(c.usage.completion_tokens for c in job.choices if c.usage is not None)
+        firsts = [job.choices[i * job.n].usage for i in range(len(job.prompt_lengths))]
+        cached = sum(u.cached_tokens for u in firsts if u is not None)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id])) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def _chat_logprobs(self, logprobs: list[pb.TokenLogprob]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(text.encode())}
+
+        return {"content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+            for lp in logprobs
+        ]}
+
+    def _completion_logprobs(self, logprobs: list[pb.TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for lp in logprobs:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [max(lp.logprob, _MIN_LOGPROB) for lp in logprobs],
+            "top_logprobs": [{self._token_text(t.token_id): max(t.logprob, _MIN_LOGPROB) for t in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+# Each layer closes the one below it when it is closed (client gone), down to the backend,
+# which cancels the Generate calls: aclosing makes that happen now, not at garbage collection.
+
+async def _folded(job: _Job, pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[Piece, None]:
+    async with aclosing(pieces):
+        async for piece in pieces:
+            job.choices[piece.index].add(piece.response)
+            yield piece
+
+
+async def _prepend(first: Piece, rest: AsyncGenerator[Piece, None]) -> AsyncGenerator[Piece, None]:
+    async with aclosing(rest):
+        yield first
+        async for piece in rest:
+            yield piece
+
+
+async def _stream(events: AsyncGenerator[str, None], done_marker: bool) -> AsyncIterator[str]:
+    async with aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except ApiError as e:
+            yield sse(error_body(e))
+    if done_marker:
+        yield "data: [DONE]\n\n"
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
