@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -33,6 +33,7 @@ from engine.block_hash import hash_block_tokens
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.tokenizer import apply_chat_template
 from kv_index import PrefixIndex
+from metrics import RouterMetrics
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import sampling_params_from_proto
@@ -57,8 +58,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
         max_model_len: int,
         block_size: int = 16,
         prefix_index: PrefixIndex | None = None,
+        *,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._config = config
+        self.metrics = metrics if metrics is not None else RouterMetrics(model_name, max_model_len)
         self._block_size = block_size
         self._prefix_index = prefix_index
         self._rng = random.Random()
@@ -74,6 +78,22 @@ class RouterServicer(pb_grpc.GenerationServicer):
 
     def Generate(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         arrival = time.monotonic()
+        tracked = self.metrics.start_request(arrival)
+        code = "CANCELLED"  # closed before its end: the client went away
+        try:
+            for response in self._generate(msg, context, arrival):
+                tracked.on_response(response, time.monotonic())
+                yield response
+            code = "OK"
+        except Exception:
+            code = _status_name(context)
+            raise
+        finally:
+            tracked.end(code)
+
+    def _generate(
+        self, msg: pb.GenerateRequest, context: grpc.ServicerContext, arrival: float
+    ) -> Iterator[pb.GenerateResponse]:
         request = self._worker_request(msg, context)
         handoff = Handoff(request.request_id)
         with self._lock:
@@ -83,7 +103,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
         context.add_callback(lambda: handoff.abort("the client went away"))
         timer = None
         if msg.deadline_s > 0:
-            timer = threading.Timer(msg.deadline_s, handoff.abort, args=(f"deadline of {msg.deadline_s}s passed",))
+            timer = threading.Timer(
+                msg.deadline_s, handoff.abort, args=(f"deadline of {msg.deadline_s}s passed", True)
+            )
             timer.daemon = True
             timer.start()
         try:
@@ -111,18 +133,19 @@ class RouterServicer(pb_grpc.GenerationServicer):
         decode, reservation = self._reserve(handoff, request, overlap, context)
         timings = pb.Timings(decode_cached_tokens=reservation.num_cached_tokens)
         try:
-            timings.router_s = time.monotonic() - arrival
-            first_token = self._prefill(handoff, request, reservation, overlap, timings, context)
-            if not handoff.advance(HandoffState.DECODING):
-                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
-            call = decode.stub.Decode(
-                pb.DecodeRequest(
-                    request_id=request.request_id,
-                    first_token=first_token,
-                    on_transfer_failure=_failure_policy(self._config.on_transfer_failure),
-                    transfer_timeout_s=self._config.transfer_timeout_s,
+            with self.metrics.num_reservations_waiting.track_inprogress():
+                timings.router_s = time.monotonic() - arrival
+                first_token = self._prefill(handoff, request, reservation, overlap, timings, context)
+                if not handoff.advance(HandoffState.DECODING):
+                    _end_aborted(context, handoff)
+                call = decode.stub.Decode(
+                    pb.DecodeRequest(
+                        request_id=request.request_id,
+                        first_token=first_token,
+                        on_transfer_failure=_failure_policy(self._config.on_transfer_failure),
+                        transfer_timeout_s=self._config.transfer_timeout_s,
+                    )
                 )
-            )
             handoff.on_abort(call.cancel)
             yield from self._relay(handoff, call, timings, arrival, context)
         finally:
@@ -147,7 +170,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
     ) -> tuple[Instance, pb.Reservation]:
         names = self._rank("decode", request, overlap)
-        last_error = "no healthy decode instance"
+        if not names:  # none up: UNAVAILABLE (HTTP 503); all up but full: RESOURCE_EXHAUSTED (429)
+            abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode instance; retry later")
+        last_error = ""
         for name in names:
             instance = self._registry.acquire(name)
             try:
@@ -167,7 +192,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             handoff.on_abort(partial(instance.stub.Release, pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
             if not handoff.advance(HandoffState.RESERVED):
                 self._registry.release(instance)
-                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                _end_aborted(context, handoff)
             return instance, reservation
         abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"no decode instance can take this request now ({last_error}); retry later")
 
@@ -191,7 +216,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         instance = self._registry.acquire(names[0])
         try:
             if not handoff.advance(HandoffState.PREFILLING):
-                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                _end_aborted(context, handoff)
             future = instance.stub.Prefill.future(
                 pb.PrefillRequest(request=request, reservation=reservation), timeout=self._config.prefill_timeout_s
             )
@@ -200,7 +225,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             try:
                 reply = future.result()
             except grpc.FutureCancelledError:
-                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                _end_aborted(context, handoff)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     handoff.abort(e.details() or "invalid request")
@@ -218,7 +243,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         if reply.transfer_status not in (pb.TRANSFER_DONE, pb.TRANSFER_SKIPPED):
             return self._prefill_failed(handoff, timings, context, f"{instance.name}: KV transfer failed: {reply.transfer_error}")
         if not handoff.advance(HandoffState.TRANSFERRED):
-            abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+            _end_aborted(context, handoff)
         return reply.first_token
 
     def _prefill_failed(
@@ -256,7 +281,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 yield response
         except grpc.RpcError as e:
             if handoff.state == HandoffState.ABORTED:
-                abort(context, grpc.StatusCode.CANCELLED, handoff.abort_reason or "aborted")
+                _end_aborted(context, handoff)
             handoff.abort(f"decode failed: {e.details()}")
             abort(context, e.code(), f"decode failed: {e.details()}")
 
@@ -293,5 +318,17 @@ class RouterServicer(pb_grpc.GenerationServicer):
         raise InvalidRequestError("the request has no prompt: set text, token_ids or chat")
 
 
+def _status_name(context: grpc.ServicerContext) -> str:
+    """The status an aborted call ends with (abort() sets it); UNKNOWN for an unexpected error."""
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
 def _failure_policy(name: str) -> pb.FailurePolicy:
     return pb.FAILURE_POLICY_FAIL if name == "fail" else pb.FAILURE_POLICY_RECOMPUTE
+
+
+def _end_aborted(context: grpc.ServicerContext, handoff: Handoff) -> NoReturn:
+    """End the call of an aborted request: DEADLINE_EXCEEDED when its deadline_s passed."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED if handoff.deadline_passed else grpc.StatusCode.CANCELLED
+    abort(context, code, handoff.abort_reason or "aborted")
