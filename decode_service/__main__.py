@@ -10,6 +10,7 @@ import sys
 from decode_service.servicer import DecodeServicer
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVLayout, make_receiver
+from metrics import InstanceMetrics
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.worker_main import add_worker_args, build_engine, serve
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(args, "vllm_cluster.DecodeWorker",
               lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
-              {"kv_endpoint": receiver.endpoint}, loop)
+              {"kv_endpoint": receiver.endpoint}, loop, InstanceMetrics(loop, args.name))
     finally:
         loop.stop()
         receiver.close()

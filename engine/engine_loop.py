@@ -95,6 +95,7 @@ class EngineLoop:
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}
         self._stopped = threading.Event()
+        self.num_expired_leases = 0  # decode role, since start; written by the engine thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -183,6 +184,7 @@ class EngineLoop:
                 pass
             for request_id in self.core.expired_leases():
                 logger.warning("reservation %s expired before its KV arrived; freeing its blocks", request_id)
+                self.num_expired_leases += 1
                 self._abort(request_id, "the reservation's lease expired before decoding started")
             if self.core.has_unfinished():
                 try:

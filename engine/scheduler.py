@@ -53,7 +53,12 @@ class Scheduler:
         self.running: list[Request] = []
         self._removed: set[RequestId] = set()
         self.transferring: dict[RequestId, Request] = {}  # decode role: reserved, KV in flight
-        self.num_preemptions = 0  # since start, for stats
+        # Since start, for stats: preemptions, prompts computed here, tokens sampled here,
+        # finished requests per finish reason.
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished: dict[str, int] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -204,6 +209,9 @@ class Scheduler:
             if not item.samples:
                 continue
             token = sampled[item.request_id]
+            if request.num_output_tokens == 0:  # its prompt was computed here (not landed)
+                self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_generation_tokens += 1
             request.append_output_token(token.token_id, token.logprobs)
             request.update_block_hashes(self.kv.block_size)
             status = self._check_stop(request)
@@ -239,4 +247,7 @@ class Scheduler:
         self.transferring.pop(request_id, None)
         request.status = status
         self.kv.free(request)
+        reason = status.finish_reason
+        assert reason is not None
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
         return request

@@ -9,6 +9,7 @@ import sys
 
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVLayout, make_sender
+from metrics import InstanceMetrics
 from prefill_service.servicer import PrefillServicer
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.worker_main import add_worker_args, build_engine, serve
@@ -23,10 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
     sender = make_sender(args.transport, kv_caches, layout, args.name)
     loop = EngineLoop(core, tokenizer=None)  # decode detokenizes; prefill only samples one token
-    servicer = PrefillServicer(loop, sender, layout, args.transfer_timeout_s)
+    metrics = InstanceMetrics(loop, args.name)
+    servicer = PrefillServicer(loop, sender, layout, args.transfer_timeout_s, metrics)
     try:
         serve(args, "vllm_cluster.PrefillWorker",
-              lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server), {}, loop)
+              lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server), {}, loop, metrics)
     finally:
         loop.stop()
         sender.close()

@@ -16,10 +16,12 @@ from __future__ import annotations
 import time
 
 import grpc
+import torch
 
 from engine.engine_loop import EngineLoop
 from engine.errors import InvalidRequestError
 from kv_transfer import KVLayout, KVSender, TransferStatus
+from metrics import InstanceMetrics
 from prefill_service.push import ReservationPush
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -30,11 +32,20 @@ _STATUS = {TransferStatus.DONE: pb.TRANSFER_DONE, None: pb.TRANSFER_SKIPPED}
 
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: EngineLoop, sender: KVSender, layout: KVLayout, transfer_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        sender: KVSender,
+        layout: KVLayout,
+        transfer_timeout_s: float = 30.0,
+        metrics: InstanceMetrics | None = None,
+    ) -> None:
         self._loop = loop
         self._sender = sender
         self._layout = layout
         self._transfer_timeout_s = transfer_timeout_s
+        self._metrics = metrics
+        self._block_bytes = _block_bytes(layout)
 
     def Prefill(self, msg: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         arrival = time.monotonic()
@@ -67,6 +78,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         if delta.finish_reason == "abort":
             abort(context, grpc.StatusCode.ABORTED, delta.error or f"request {request.request_id!r} was aborted")
         assert delta.finish_reason is not None and len(delta.token_ids) == 1
+        if self._metrics is not None and push.num_blocks_sent:
+            self._metrics.observe_push(push.num_blocks_sent * self._block_bytes, push.transfer_s,
+                                       ok=push.status == TransferStatus.DONE)
         logprob = delta.logprobs[0] if delta.logprobs else None
         elapsed = time.monotonic() - arrival
         return pb.PrefillResponse(
@@ -86,3 +100,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def Stats(self, msg: pb.StatsRequest, context: grpc.ServicerContext) -> pb.WorkerStats:
         stats = self._loop.call(lambda core: core.stats())
         return worker_stats_to_proto(stats, "prefill", self._layout.block_size, self._layout.model, "")
+
+
+def _block_bytes(layout: KVLayout) -> int:
+    """One block's KV over every layer: K and V, [block_size, num_kv_heads, head_dim] each."""
+    item_bytes = torch.empty(0, dtype=getattr(torch, layout.dtype)).element_size()
+    return layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * item_bytes

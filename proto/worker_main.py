@@ -18,6 +18,7 @@ from engine.engine_core import EngineCore
 from engine.engine_loop import EngineLoop
 from engine.tokenizer import load_tokenizer
 from kv_index import BlockEventPublisher
+from metrics import InstanceMetrics
 from proto.rpc import TOKEN_ENV, announce_and_wait, make_server
 
 
@@ -33,8 +34,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (overrides the config)")
     parser.add_argument("--redis-url", default="",
                         help="publish prefix-cache block events to this Redis (empty: don't)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="Prometheus /metrics port, on --host; 0 picks a free one (see the ready file)")
     parser.add_argument("--ready-file", type=Path, default=None,
-                        help="written (JSON: port, kv_endpoint, pid) once the server is up")
+                        help="written (JSON: port, metrics_port, kv_endpoint, pid) once the server is up")
 
 
 def build_engine(args: argparse.Namespace, role: str) -> tuple[EngineCore, Any]:
@@ -58,14 +61,19 @@ def serve(
     add_servicer: Callable[[grpc.Server], None],
     ready_info: dict[str, Any],
     loop: EngineLoop,
+    metrics: InstanceMetrics,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then stop accepting and give calls in flight 5 s."""
+    """Serve until SIGTERM/SIGINT, then stop accepting and give calls in flight 5 s.
+    `metrics` is served over HTTP on args.host:args.metrics_port meanwhile."""
     server, port, _ = make_server(f"{args.host}:{args.port}", [service_name], os.environ.get(TOKEN_ENV))
     add_servicer(server)
     publisher = _start_publisher(args, loop, f"{args.host}:{port}") if args.redis_url else None
     server.start()
-    logging.getLogger(__name__).info("%s serving on %s:%d", service_name, args.host, port)
-    announce_and_wait(server, port, args.ready_file, **ready_info)
+    metrics_port = metrics.serve(args.host, args.metrics_port)
+    logging.getLogger(__name__).info("%s serving on %s:%d (metrics on port %d)",
+                                     service_name, args.host, port, metrics_port)
+    announce_and_wait(server, port, args.ready_file, metrics_port=metrics_port, **ready_info)
+    metrics.close()
     if publisher is not None:
         publisher.close()
 

@@ -1,0 +1,8 @@
+"""Prometheus metrics with vLLM's names (`vllm:`), plus the disaggregation's own
+(`vllm_cluster:`): the router's per request (router.py), each instance's (instance.py).
+Each owns a CollectorRegistry, never the process-global one."""
+
+from metrics.instance import InstanceMetrics
+from metrics.router import RequestMetrics, RouterMetrics
+
+__all__ = ["InstanceMetrics", "RequestMetrics", "RouterMetrics"]

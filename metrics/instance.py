@@ -1,0 +1,108 @@
+"""An instance's metrics (prefill or decode), served on its own port at /metrics.
+
+The engine is read at scrape time by a custom collector, on the engine thread
+(`EngineLoop.call`): no polling thread, and each scrape sees one consistent snapshot.
+  gauges    vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc
+  counters  (since start) vllm:prefix_cache_queries / _hits (tokens), vllm:num_preemptions,
+            vllm:prompt_tokens (prompts computed here), vllm:generation_tokens (tokens
+            sampled here), vllm:request_success{finished_reason}
+A prefill instance counts each prompt and its first token; decode counts the tokens after
+it (and the prompts it computes itself: prefill skipped, or a failed hand-off), so the
+token counters summed over instances equal the router's.
+Decode adds reservations whose KV has not landed and leases that expired (collector);
+prefill adds each KV push as its servicer sees it complete (bytes, seconds, failures).
+Labels: model_name, role, instance_id (not `instance`: Prometheus sets that on every
+scraped series to the target's address).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.engine_loop import EngineLoop
+from metrics import buckets
+from metrics.router import FINISH_REASONS
+
+_LABELS = ("model_name", "role", "instance_id")
+_SCRAPE_TIMEOUT_S = 10.0  # a scrape waits for the engine's current step to end
+
+
+class InstanceMetrics:
+    def __init__(self, loop: EngineLoop, instance_id: str) -> None:
+        self.registry = CollectorRegistry()
+        self.role = loop.core.role
+        self._values = (loop.core.config.model.model, self.role, instance_id)
+        self.registry.register(_EngineCollector(loop, self._values))
+        self._server: WSGIServer | None = None
+        if self.role == "prefill":
+            self._push_bytes = Counter("vllm_cluster:kv_push_bytes", "KV cache bytes pushed to decode instances.",
+                                       _LABELS, registry=self.registry).labels(*self._values)
+            self._push_time = Histogram("vllm_cluster:kv_push_seconds",
+                                        "Per push: first layer queued to every layer confirmed.",
+                                        _LABELS, buckets=buckets.KV_TRANSFER_S,
+                                        registry=self.registry).labels(*self._values)
+            self._push_failures = Counter("vllm_cluster:kv_push_failures", "KV pushes that failed.",
+                                          _LABELS, registry=self.registry).labels(*self._values)
+
+    def observe_push(self, num_bytes: int, seconds: float, ok: bool) -> None:
+        """Prefill role: one request's KV push has completed (or failed)."""
+        assert self.role == "prefill", "KV pushes are a prefill instance's"
+        self._push_bytes.inc(num_bytes)
+        self._push_time.observe(seconds)
+        if not ok:
+            self._push_failures.inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0 picks a free port) from a daemon thread; the bound port."""
+        self._server, _ = start_http_server(port, host, self.registry)
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _EngineCollector(Collector):
+    def __init__(self, loop: EngineLoop, values: tuple[str, str, str]) -> None:
+        self._loop = loop
+        self._values = list(values)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._loop.call(lambda core: core.stats(), timeout_s=_SCRAPE_TIMEOUT_S)
+        yield self._gauge("vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield self._gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means full.", stats.kv_cache_usage)
+        yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.",
+                            stats.prefix_cache_queries)
+        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits)
+        yield self._counter("vllm:num_preemptions", "Requests preempted.", stats.num_preemptions)
+        yield self._counter("vllm:prompt_tokens", "Prompt tokens computed here.", stats.num_prompt_tokens)
+        yield self._counter("vllm:generation_tokens", "Tokens sampled here.", stats.num_generation_tokens)
+        success = CounterMetricFamily("vllm:request_success", "Requests finished here, by finish reason.",
+                                      labels=[*_LABELS, "finished_reason"])
+        for reason in FINISH_REASONS:
+            success.add_metric([*self._values, reason], stats.num_finished.get(reason, 0))
+        yield success
+        if self._values[1] == "decode":
+            yield self._gauge("vllm_cluster:num_requests_transferring",
+                              "Reservations whose KV has not landed yet.", stats.num_transferring)
+            yield self._counter("vllm_cluster:lease_expiries",
+                                "Reservations freed because their KV did not arrive in time.",
+                                self._loop.num_expired_leases)
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=_LABELS)
+        family.add_metric(self._values, value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=_LABELS)
+        family.add_metric(self._values, value)
+        return family
