@@ -1,13 +1,30 @@
-"""A small gRPC client for the cluster's Generation API.
+"""A gRPC client for the cluster's Generation API (the router).
 
-    client = Client("127.0.0.1:50051")
-    for piece in client.stream(chat=[{"role": "user", "content": "Hi"}], max_tokens=32):
-        print(piece.text, end="")
-    result = client.generate(text="The capital of France is", max_tokens=8, temperature=0)
+    with Client("127.0.0.1:50051", api_key="...") as client:
+        with client.stream(chat=[{"role": "user", "content": "Hi"}], max_tokens=32) as stream:
+            for piece in stream:                 # stream.cancel() hangs up: both legs are aborted
+                print(piece.text, end="")
+        result = client.generate("The capital of France is", max_tokens=8, temperature=0)
+
+Every failure is a `ClientError` whose `.code` is the grpc.StatusCode:
+  INVALID_ARGUMENT    bad sampling parameters, an empty or too long prompt: change the request
+  NOT_FOUND           `model` is not the one this cluster serves (see `list_models()`)
+  RESOURCE_EXHAUSTED  no decode instance has room for the request now: retry later
+  UNAVAILABLE         the router, or the instances behind it, cannot be reached
+  DEADLINE_EXCEEDED   the call's `timeout_s` or the request's `deadline_s` passed
+  UNAUTHENTICATED     the router wants an API key and this one is missing or wrong
+  CANCELLED           the request was aborted (`abort(request_id)` from anywhere)
+  ALREADY_EXISTS      a request with this `request_id` is in flight
+A stream cancelled by its own caller just ends: that is not an error.
+
+Two deadlines: `timeout_s` is the gRPC deadline of one call (the client gives up, the
+router sees the hang-up and aborts the request); `deadline_s` travels in the request and
+the router aborts it itself once that many seconds have passed.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,38 +36,104 @@ from proto import cluster_pb2_grpc as pb_grpc
 from proto.rpc import CHANNEL_OPTIONS
 
 
+class ClientError(Exception):
+    """A failed call: `code` (grpc.StatusCode) and the server's `message`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
 @dataclass(slots=True)
 class Completion:
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
+    finish_reason: str = ""  # "stop", "length", "abort"; "" when the stream was cancelled
     stop_reason: str = ""
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
 
+    def add(self, piece: pb.GenerateResponse) -> None:
+        self.text += piece.text
+        self.token_ids += piece.token_ids
+        if piece.finish_reason:
+            self.finish_reason = piece.finish_reason
+            self.stop_reason = piece.stop_reason
+            self.usage = piece.usage
+            self.timings = piece.timings
+
+
+class Stream:
+    """One Generate call. Iterate it for the pieces (the last one carries finish_reason,
+    usage and timings); `cancel()` hangs up, from any thread, and the iteration then ends."""
+
+    def __init__(self, call: Any, request_id: str) -> None:
+        self._call = call
+        self.request_id = request_id
+        self.cancelled = False
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]:
+        try:
+            yield from self._call
+        except grpc.RpcError as e:
+            if not self.cancelled:
+                raise _client_error(e) from None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._call.cancel()
+
+    def collect(self) -> Completion:
+        """The rest of the stream as one Completion."""
+        result = Completion(self.request_id)
+        for piece in self:
+            result.add(piece)
+        return result
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._call.is_active():  # left early: free the request's blocks now
+            self.cancel()
+
 
 class Client:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+    """The router's client API. `api_key` is sent as `authorization: Bearer <key>` on every
+    call; `timeout_s` is the default gRPC deadline of each call (None: none)."""
+
+    def __init__(self, address: str, api_key: str | None = None, timeout_s: float | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationStub(self._channel)
 
     def stream(
         self,
         text: str | None = None,
+        *,
         token_ids: list[int] | None = None,
         chat: list[dict[str, str]] | None = None,
+        model: str = "",
         request_id: str = "",
         deadline_s: float = 0.0,
         timeout_s: float | None = None,
         tenant_salt: str = "",
         **sampling: Any,
-    ) -> Iterator[pb.GenerateResponse]:
-        """Server-streamed responses (the gRPC call: iterate it, or `.cancel()` it to hang up);
-        `sampling` takes SamplingParams fields (max_tokens=..)."""
+    ) -> Stream:
+        """Start a generation. The prompt is one of `text`, `token_ids` or `chat` (a list of
+        {"role", "content"} messages, templated by the router). `sampling` takes the
+        SamplingParams fields: max_tokens=64, temperature=0, stop=["\\n"], ...
+        `request_id` ("": a fresh one) is what `abort` takes; the Stream carries it."""
+        if sum(p is not None for p in (text, token_ids, chat)) != 1:
+            raise TypeError("give exactly one prompt: text, token_ids or chat")
         request = pb.GenerateRequest(
-            request_id=request_id,
-            sampling_params=pb.SamplingParams(**sampling),
+            request_id=request_id or uuid.uuid4().hex,
+            model=model,
+            sampling_params=_sampling_params(sampling),
             deadline_s=deadline_s,
             tenant_salt=tenant_salt,
         )
@@ -60,27 +143,52 @@ class Client:
             request.token_ids.ids.extend(token_ids)
         elif chat is not None:
             request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
-        return self.stub.Generate(request, timeout=timeout_s)
+        call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        return Stream(call, request.request_id)
 
-    def generate(self, **kwargs: Any) -> Completion:
-        """The whole completion; raises grpc.RpcError with the server's message on failure."""
-        result = Completion(request_id="")
-        for response in self.stream(**kwargs):
-            result.request_id = response.request_id
-            result.text += response.text
-            result.token_ids += list(response.token_ids)
-            if response.finish_reason:
-                result.finish_reason = response.finish_reason
-                result.stop_reason = response.stop_reason
-                result.usage = response.usage
-                result.timings = response.timings
-        return result
+    def generate(self, *args: Any, **kwargs: Any) -> Completion:
+        """The whole completion; takes the arguments of `stream`."""
+        with self.stream(*args, **kwargs) as stream:
+            return stream.collect()
 
-    def abort(self, request_id: str) -> bool:
-        return bool(self.stub.Abort(pb.AbortRequest(request_id=request_id)).found)
+    def abort(self, request_id: str, timeout_s: float | None = None) -> bool:
+        """Abort a request in flight (its stream ends with CANCELLED); False if none is."""
+        try:
+            reply = self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._timeout(timeout_s),
+                                     metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _client_error(e) from None
+        return bool(reply.found)
 
-    def list_models(self) -> list[pb.ModelCard]:
-        return list(self.stub.ListModels(pb.ListModelsRequest()).models)
+    def list_models(self, timeout_s: float | None = None) -> list[pb.ModelCard]:
+        try:
+            reply = self._stub.ListModels(pb.ListModelsRequest(), timeout=self._timeout(timeout_s),
+                                          metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _client_error(e) from None
+        return list(reply.models)
 
     def close(self) -> None:
-        self.channel.close()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+
+def _sampling_params(fields: dict[str, Any]) -> pb.SamplingParams:
+    try:
+        return pb.SamplingParams(**fields)
+    except ValueError as e:  # an unknown field name
+        raise TypeError(f"{e}: sampling parameters are the fields of SamplingParams in proto/cluster.proto") from None
+
+
+def _client_error(e: grpc.RpcError) -> ClientError:
+    code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = e.details() if isinstance(e, grpc.Call) else str(e)
+    return ClientError(code, details or code.name.lower())

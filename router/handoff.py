@@ -54,6 +54,7 @@ class Handoff:
     request_id: str
     state: HandoffState = HandoffState.NEW
     abort_reason: str | None = None
+    deadline_passed: bool = False  # the abort was the request's deadline (the client hears so)
     # Undo actions per leg, run once on abort: cancel a call, release blocks.
     _on_abort: list[Callable[[], Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -79,13 +80,14 @@ class Handoff:
         _run_quietly(undo, self.request_id)
         return False
 
-    def abort(self, reason: str) -> bool:
+    def abort(self, reason: str, deadline_passed: bool = False) -> bool:
         """Abort both legs; False if already finished or aborted."""
         with self._lock:
             if self.state.is_done:
                 return False
             self.state = HandoffState.ABORTED
             self.abort_reason = reason
+            self.deadline_passed = deadline_passed
             undo, self._on_abort = self._on_abort, []
         logger.info("aborting %s: %s", self.request_id, reason)
         for action in reversed(undo):

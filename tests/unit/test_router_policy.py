@@ -80,6 +80,13 @@ def test_abort_survives_a_failing_release() -> None:
     assert h.abort("deadline") and h.state == HandoffState.ABORTED
 
 
+def test_abort_remembers_a_passed_deadline() -> None:
+    h = Handoff("r")
+    assert h.abort("deadline of 1s passed", deadline_passed=True) and h.deadline_passed
+    assert not h.abort("the client went away")  # the first reason stands: the client hears DEADLINE_EXCEEDED
+    assert h.deadline_passed and h.abort_reason == "deadline of 1s passed"
+
+
 def test_router_config_errors_name_the_key() -> None:
     with pytest.raises(ConfigError, match="router.policy"):
         RouterConfig.from_dict({"policy": "random"})
