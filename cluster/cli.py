@@ -5,6 +5,7 @@
   vllm-cluster chat --address 127.0.0.1:50051           # talk to a running cluster
   vllm-cluster generate "The capital of France is"      # one completion from a running cluster
   vllm-cluster generate --offline -f configs/local.yaml "Hi"  # the engine in-process, no cluster
+  vllm-cluster bench serve|sweep|throughput ...          # load tests (loadtest/cli.py)
 
 chat and generate send the API key from --api-key, else $VLLM_API_KEY. On failure they print
 `error: CODE: message` (the gRPC status, see cluster/client.py) and exit non-zero.
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from cluster.client import Client, ClientError, Completion
+from loadtest.cli import add_bench_parser
 from proto.rpc import API_KEY_ENV
 
 _SAMPLE_CHAT = "What is the capital of France? Answer in one sentence."
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "chat":
         return _chat(args)
+    if args.command == "bench":
+        from loadtest.cli import bench_main
+
+        return bench_main(args)
     if args.offline:
         return _offline(args)
     return _generate(args)
@@ -58,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (chat template)")
     p.add_argument("--offline", action="store_true", help="run the engine in this process instead (no cluster)")
     p.add_argument("--config", "-f", default="configs/local.yaml", help="the engine settings, with --offline")
+    add_bench_parser(sub)
     return parser
 
 
