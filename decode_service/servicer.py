@@ -149,5 +149,5 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.ReleaseResponse(found=self._loop.abort(msg.request_id))
 
     def Stats(self, msg: pb.StatsRequest, context: grpc.ServicerContext) -> pb.WorkerStats:
-        stats = self._loop.call(lambda core: core.stats())
+        stats = self._loop.stats()
         return worker_stats_to_proto(stats, "decode", self._layout.block_size, self._layout.model, self._receiver.endpoint)

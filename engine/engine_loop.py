@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore, KVPush
+from engine.engine_core import EngineCore, EngineStats, KVPush
 from engine.request import Request, TokenLogprobs
 from engine.scheduler import RequestUpdate, SampledToken
 
@@ -96,6 +96,9 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}
         self._stopped = threading.Event()
         self.num_expired_leases = 0  # decode role, since start; written by the engine thread only
+        # Refreshed by the engine thread after every iteration: readers never wait for a step
+        # (a long prefill step must not make health checks time out).
+        self._stats: EngineStats = core.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -113,6 +116,10 @@ class EngineLoop:
 
         self._commands.put(run)
         return future.result(timeout=timeout_s)
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last loop iteration (at most one step old)."""
+        return self._stats
 
     def add(self, request: Request, kv_push: KVPush | None = None) -> RequestStream:
         def add(core: EngineCore) -> RequestStream:
@@ -168,6 +175,7 @@ class EngineLoop:
         if self._before_abort is not None:
             self._before_abort(request_id)
         request = self.core.abort(request_id)
+        self._stats = self.core.stats()  # before the stream ends: its reader may check stats next
         if tracked is not None:
             tracked.stream.put(self._delta(tracked, [], "abort", None, error=error))
         return request is not None
@@ -194,8 +202,10 @@ class EngineLoop:
                     for request_id in list(self._tracked):
                         if not self.core.is_transferring(request_id):
                             self._abort(request_id, "the engine step failed")
+            self._stats = self.core.stats()
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        outgoing: list[tuple[RequestStream, StreamDelta]] = []
         for update in updates:
             request_id = update.request.request_id
             tracked = self._tracked.get(request_id)
@@ -211,7 +221,10 @@ class EngineLoop:
                 finish_reason = "stop" if stop is not None else update.request.status.finish_reason
                 stop_reason = stop if stop is not None else update.request.stop_reason
                 del self._tracked[request_id]
-            tracked.stream.put(self._delta(tracked, update.new_token_ids, finish_reason, stop_reason))
+            outgoing.append((tracked.stream, self._delta(tracked, update.new_token_ids, finish_reason, stop_reason)))
+        self._stats = self.core.stats()  # before any stream ends: its reader may check stats next
+        for stream, delta in outgoing:
+            stream.put(delta)
 
     def _delta(
         self,

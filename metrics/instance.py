@@ -29,7 +29,6 @@ from metrics import buckets
 from metrics.router import FINISH_REASONS
 
 _LABELS = ("model_name", "role", "instance_id")
-_SCRAPE_TIMEOUT_S = 10.0  # a scrape waits for the engine's current step to end
 
 
 class InstanceMetrics:
@@ -75,7 +74,7 @@ class _EngineCollector(Collector):
         self._values = list(values)
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._loop.call(lambda core: core.stats(), timeout_s=_SCRAPE_TIMEOUT_S)
+        stats = self._loop.stats()
         yield self._gauge("vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
         yield self._gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
         yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means full.", stats.kv_cache_usage)

@@ -94,7 +94,7 @@ class Registry:
     def poll(self) -> None:
         for instance in list(self.instances.values()):
             try:
-                stats = instance.stub.Stats(pb.StatsRequest(), timeout=max(1.0, self._interval_s * 2))
+                stats = instance.stub.Stats(pb.StatsRequest(), timeout=max(2.0, self._interval_s * 4))
             except grpc.RpcError as e:
                 if instance.healthy:
                     logger.warning("%s at %s is unhealthy: %s", instance.name, instance.address, e.code())
