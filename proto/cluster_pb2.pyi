@@ -95,7 +95,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed", "num_kv_blocks_sent", "prefill_cached_tokens", "decode_cached_tokens")
+    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed", "num_kv_blocks_sent", "prefill_cached_tokens", "decode_cached_tokens", "migrations")
     ROUTER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class Timings(_message.Message):
     NUM_KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     router_s: float
     prefill_queue_s: float
     prefill_compute_s: float
@@ -120,7 +121,8 @@ class Timings(_message.Message):
     num_kv_blocks_sent: int
     prefill_cached_tokens: int
     decode_cached_tokens: int
-    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "timings")

@@ -25,6 +25,9 @@ class RouterConfig:
     # Prompts with fewer uncached tokens than this skip prefill: decode computes them.
     min_prefill_tokens: int = 64
     on_transfer_failure: str = "recompute"  # or "fail"
+    # A decode instance lost mid-stream: replay prompt + tokens so far on another, up to this
+    # many times per request (0: the client gets UNAVAILABLE / an error frame instead).
+    max_migrations: int = 1
     lease_s: float = 30.0  # a reservation's blocks are freed if decoding has not started by then
     transfer_timeout_s: float = 30.0  # how long decode waits for the KV to land
     prefill_timeout_s: float = 300.0  # a Prefill call that takes longer counts as failed
@@ -51,6 +54,8 @@ class RouterConfig:
                 raise ConfigError(f"router.{name} must be a TCP port (0 picks a free one)")
         if self.max_request_bytes < 1024:
             raise ConfigError("router.max_request_bytes must be >= 1024")
+        if self.max_migrations < 0:
+            raise ConfigError("router.max_migrations must be >= 0 (0: no migration)")
         if self.min_prefill_tokens < 0:
             raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
         for name in ("lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s", "prefix_index_timeout_s"):

@@ -3,6 +3,7 @@
     NEW -> RESERVED -> PREFILLING -> TRANSFERRED -> DECODING -> FINISHED
                    \\-------------------------------/
     any state -> ABORTED (client abort or disconnect, deadline, a failed leg)
+    DECODING -> NEW (restart: the decode instance was lost mid-stream; migrate the rest)
 
 `advance` is the one place the state changes. `abort` is idempotent and releases both
 legs: it cancels the calls in flight, then tells decode to free its reservation and
@@ -79,6 +80,18 @@ class Handoff:
                 return True
         _run_quietly(undo, self.request_id)
         return False
+
+    def restart(self) -> bool:
+        """A decode leg was lost mid-stream: undo that leg (best effort: its instance may be
+        gone) and start over from NEW for the rest of the request. False if aborted."""
+        with self._lock:
+            if self.state.is_done:
+                return False
+            self.state = HandoffState.NEW
+            undo, self._on_abort = self._on_abort, []
+        for action in reversed(undo):
+            _run_quietly(action, self.request_id)
+        return True
 
     def abort(self, reason: str, deadline_passed: bool = False) -> bool:
         """Abort both legs; False if already finished or aborted."""

@@ -12,6 +12,11 @@ Lifecycle of a request here:
      the prompt itself; policy `fail` fails the request (both legs released).
   5. `Decode` streams tokens from the decode instance; the router relays them, adding the
      timings to the last response.
+  6. A decode instance lost mid-stream (died, restarted, its engine step failed): the rest
+     of the request is replayed on another decode instance, prompt + the tokens already
+     relayed, its limits reduced by them (`max_migrations` times; 0: UNAVAILABLE). The
+     client sees one stream: no token twice, none missing, text the lost instance held
+     back sent first. (A stop string straddling the migration point is not detected.)
 Abort (client Abort, disconnect, deadline, a failed leg) goes through the Handoff, which
 releases both legs exactly once.
 """
@@ -24,6 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NoReturn
 
@@ -46,6 +52,10 @@ from router.registry import Instance, Registry
 logger = logging.getLogger(__name__)
 
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# A decode stream that breaks with these is replayed on another instance (max_migrations):
+# the instance died or restarted (UNAVAILABLE), or its engine step failed (ABORTED).
+_MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
+               grpc.StatusCode.INTERNAL)
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
@@ -129,12 +139,40 @@ class RouterServicer(pb_grpc.GenerationServicer):
     def _serve(
         self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext, arrival: float
     ) -> Iterator[pb.GenerateResponse]:
+        """Both legs; if the decode instance is lost mid-stream, the rest of the request is
+        replayed on another one (prompt + tokens so far) and the client's stream goes on."""
+        progress = _Progress(list(request.prompt_token_ids))
+        timings = pb.Timings()
+        leg = request
+        while True:
+            try:
+                yield from self._leg(handoff, leg, context, arrival, progress, timings)
+                return
+            except _DecodeLost as lost:
+                if progress.migrations >= self._config.max_migrations or not handoff.restart():
+                    handoff.abort(f"decode failed: {lost}")
+                    abort(context, grpc.StatusCode.UNAVAILABLE, f"the decode instance failed mid-stream: {lost}")
+                progress.migrations += 1
+                progress.pending_text += self._held_back_text(request, progress)
+                leg = _continuation(request, progress)
+                logger.warning("%s: %s; replaying on another decode instance (%d tokens so far, migration %d)",
+                               request.request_id, lost, len(progress.token_ids), progress.migrations)
+                if _remaining_tokens(leg) == 0:  # only the last message was lost
+                    yield self._finish_without_decode(request, progress, timings, arrival)
+                    return
+
+    def _leg(
+        self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext, arrival: float,
+        progress: _Progress, timings: pb.Timings,
+    ) -> Iterator[pb.GenerateResponse]:
         overlap = self._overlap(request)
         decode, reservation = self._reserve(handoff, request, overlap, context)
-        timings = pb.Timings(decode_cached_tokens=reservation.num_cached_tokens)
+        if not progress.migrations:
+            timings.decode_cached_tokens = reservation.num_cached_tokens
         try:
             with self.metrics.num_reservations_waiting.track_inprogress():
-                timings.router_s = time.monotonic() - arrival
+                if not progress.migrations:
+                    timings.router_s = time.monotonic() - arrival
                 first_token = self._prefill(handoff, request, reservation, overlap, timings, context)
                 if not handoff.advance(HandoffState.DECODING):
                     _end_aborted(context, handoff)
@@ -147,9 +185,33 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     )
                 )
             handoff.on_abort(call.cancel)
-            yield from self._relay(handoff, call, timings, arrival, context)
+            yield from self._relay(handoff, decode, call, timings, arrival, context, progress)
         finally:
             self._registry.release(decode)
+
+    def _held_back_text(self, request: pb.WorkerRequest, progress: _Progress) -> str:
+        """Text of tokens already relayed that the lost instance still held back (it might
+        have begun a stop string): sent ahead of the next leg's text."""
+        if self._tokenizer is None or not progress.token_ids:
+            return ""
+        params = request.sampling_params
+        skip = params.skip_special_tokens if params.HasField("skip_special_tokens") else True
+        prompt_text = self._tokenizer.decode(progress.prompt, skip_special_tokens=skip)
+        full = self._tokenizer.decode(progress.prompt + progress.token_ids, skip_special_tokens=skip)
+        generated = full[len(prompt_text):] if full.startswith(prompt_text) else ""
+        sent = progress.text + progress.pending_text
+        return generated[len(sent):] if generated.startswith(sent) else ""
+
+    def _finish_without_decode(
+        self, request: pb.WorkerRequest, progress: _Progress, timings: pb.Timings, arrival: float
+    ) -> pb.GenerateResponse:
+        timings.migrations = progress.migrations
+        timings.total_s = time.monotonic() - arrival
+        return pb.GenerateResponse(
+            request_id=request.request_id, text=progress.pending_text, finish_reason="length",
+            usage=pb.Usage(prompt_tokens=len(progress.prompt), completion_tokens=len(progress.token_ids)),
+            timings=timings,
+        )
 
     def _overlap(self, request: pb.WorkerRequest) -> dict[str, int]:
         """Prefix-index id -> leading blocks of this prompt held ({} without an index)."""
@@ -258,21 +320,31 @@ class RouterServicer(pb_grpc.GenerationServicer):
         return None
 
     def _relay(
-        self, handoff: Handoff, call: Any, timings: pb.Timings, arrival: float, context: grpc.ServicerContext
+        self, handoff: Handoff, decode: Instance, call: Any, timings: pb.Timings, arrival: float,
+        context: grpc.ServicerContext, progress: _Progress,
     ) -> Iterator[pb.GenerateResponse]:
         first = True
         try:
             for response in call:
                 if first:
-                    timings.ttft_s = time.monotonic() - arrival
+                    if not progress.token_ids:
+                        timings.ttft_s = time.monotonic() - arrival
+                        timings.decode_queue_s = response.timings.decode_queue_s
                     timings.transfer_s += response.timings.transfer_s
-                    timings.decode_queue_s = response.timings.decode_queue_s
                     timings.recomputed = timings.recomputed or response.timings.recomputed
                     first = False
+                if progress.pending_text:
+                    response.text = progress.pending_text + response.text
+                    progress.pending_text = ""
+                progress.token_ids += response.token_ids
+                progress.text += response.text
                 if response.finish_reason:
                     # Cached where the prompt was computed: on decode, or on prefill.
                     cached = max(response.usage.cached_tokens, timings.prefill_cached_tokens)
-                    response.usage.cached_tokens = cached
+                    response.usage.cached_tokens = min(cached, len(progress.prompt))
+                    response.usage.prompt_tokens = len(progress.prompt)
+                    response.usage.completion_tokens = len(progress.token_ids)
+                    timings.migrations = progress.migrations
                     timings.total_s = time.monotonic() - arrival
                     response.timings.CopyFrom(timings)
                     handoff.advance(HandoffState.FINISHED)
@@ -282,6 +354,10 @@ class RouterServicer(pb_grpc.GenerationServicer):
         except grpc.RpcError as e:
             if handoff.state == HandoffState.ABORTED:
                 _end_aborted(context, handoff)
+            if e.code() in _MIGRATABLE:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._registry.mark_unhealthy(decode)
+                raise _DecodeLost(f"{decode.name}: {e.code().name} {e.details()}") from e
             handoff.abort(f"decode failed: {e.details()}")
             abort(context, e.code(), f"decode failed: {e.details()}")
 
@@ -316,6 +392,40 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequestError("the chat has no messages: send at least one")
             return list(apply_chat_template(self._tokenizer, messages))
         raise InvalidRequestError("the request has no prompt: set text, token_ids or chat")
+
+
+@dataclass
+class _Progress:
+    """What the client has been sent: a request replayed elsewhere continues from here."""
+
+    prompt: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    pending_text: str = ""  # held back by a lost instance; goes out ahead of the next text
+    migrations: int = 0
+
+
+class _DecodeLost(Exception):
+    """The decode leg broke mid-stream in a way another instance can recover from."""
+
+
+def _continuation(request: pb.WorkerRequest, progress: _Progress) -> pb.WorkerRequest:
+    """The rest of `request`: its prompt plus the tokens relayed, the limits reduced by them."""
+    leg = pb.WorkerRequest()
+    leg.CopyFrom(request)
+    leg.request_id = f"{request.request_id}~m{progress.migrations}"  # new on every instance
+    leg.prompt_token_ids.extend(progress.token_ids)
+    params = leg.sampling_params
+    done = len(progress.token_ids)
+    if not params.max_tokens_unlimited:
+        params.max_tokens = max(0, (params.max_tokens if params.HasField("max_tokens") else 16) - done)
+    params.min_tokens = max(0, params.min_tokens - done)
+    return leg
+
+
+def _remaining_tokens(leg: pb.WorkerRequest) -> int | None:
+    params = leg.sampling_params
+    return None if params.max_tokens_unlimited else params.max_tokens
 
 
 def _status_name(context: grpc.ServicerContext) -> str:

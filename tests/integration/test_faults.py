@@ -1,0 +1,96 @@
+"""Faults on a real cluster (router + 1 prefill + 2 decode over UCX): a decode instance
+killed mid-stream is replaced without the client noticing, and what is left frees its
+blocks. Tests that kill an instance run last in this module."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.client import Client, ClientError
+from cluster.local import LocalCluster
+from engine import LLM, SamplingParams
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.rpc import make_channel
+
+pytestmark = pytest.mark.slow
+
+CONFIG = Path(__file__).with_name("faults_cluster.yaml")
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    pytest.importorskip("ucxx")
+    local = LocalCluster.from_yaml(CONFIG)
+    local.log_dir = tmp_path_factory.mktemp("faults-cluster")
+    with local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    with Client(cluster.router_address, timeout_s=300) as c:
+        yield c
+
+
+def _decode_stats(cluster: LocalCluster) -> dict[str, pb.WorkerStats]:
+    stats = {}
+    for i, address in enumerate(cluster.decode_addresses):
+        if cluster.process(f"decode-{i}").popen.poll() is not None:
+            continue
+        stub = pb_grpc.DecodeWorkerStub(make_channel(address, cluster.token))
+        stats[f"decode-{i}"] = stub.Stats(pb.StatsRequest(), timeout=5)  # type: ignore[attr-defined]
+    return stats
+
+
+def _assert_live_blocks_return(cluster: LocalCluster, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = {n: (s.num_free_blocks, s.num_total_blocks, s.num_running) for n, s in _decode_stats(cluster).items()
+                if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_waiting or s.num_transferring}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"blocks not returned (free, total, running): {busy}"
+        time.sleep(0.2)
+
+
+def test_decode_killed_mid_stream_is_replayed_elsewhere(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    max_tokens = 80
+    expected = smollm2.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    token_ids: list[int] = []
+    text = ""
+    last = None
+    killed = ""
+    with client.stream(text=PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True) as stream:
+        for piece in stream:
+            token_ids += piece.token_ids
+            text += piece.text
+            last = piece
+            if not killed and len(token_ids) >= 10:
+                busy = [name for name, s in _decode_stats(cluster).items() if s.num_running]
+                assert len(busy) == 1, busy
+                killed = busy[0]
+                cluster.kill(killed)
+    assert killed and last is not None
+    assert token_ids == expected.token_ids  # no token twice, none missing, same greedy path
+    assert text == expected.text
+    assert last.finish_reason == "length" and last.usage.completion_tokens == max_tokens
+    assert last.timings.migrations == 1
+    _assert_live_blocks_return(cluster)
+
+
+def test_no_decode_left_mid_stream_is_unavailable(cluster: LocalCluster, client: Client) -> None:
+    """After the test above one decode instance is left; kill it mid-stream: nowhere to go."""
+    with pytest.raises(ClientError) as error, \
+            client.stream(text=PROMPT, max_tokens=400, temperature=0, ignore_eos=True) as stream:
+        for i, _ in enumerate(stream):
+            if i == 3:
+                (name,) = _decode_stats(cluster)
+                cluster.kill(name)
+    assert error.value.code.name == "UNAVAILABLE"
