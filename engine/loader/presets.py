@@ -51,4 +51,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 40960, "tie_word_embeddings": True,
         "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    # A few MB: the MoE path (routing, expert parallelism) on CPU.
+    "mixtral-tiny": {
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
 }

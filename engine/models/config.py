@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -35,6 +36,9 @@ class ModelArchConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_id: int | None
+    # Mixtral-style MoE (0: a dense MLP): experts per layer, experts each token uses.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelArchConfig:
@@ -71,4 +75,6 @@ class ModelArchConfig:
             qk_norm=family == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            num_experts=d.get("num_local_experts", 8) if family == "mixtral" else 0,
+            num_experts_per_tok=d.get("num_experts_per_tok", 2) if family == "mixtral" else 0,
         )

@@ -1,6 +1,7 @@
-"""One decoder for the Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2 (qkv bias) and
-Qwen3 (q/k norm). Tokens arrive flattened ([T]) from a varlen batch; attention goes
-through the paged KV cache. No distributed code here: parallelism is applied from outside.
+"""One decoder for the Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2 (qkv bias),
+Qwen3 (q/k norm) and Mixtral (a sparse MoE block in place of the MLP: models/mixtral.py).
+Tokens arrive flattened ([T]) from a varlen batch; attention goes through the paged KV
+cache. No distributed code here: parallelism is applied from outside.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from engine.layers.attention import Attention
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope, RotaryEmbedding
+from engine.models import mixtral
 from engine.models.config import ModelArchConfig
 from kernels import AttentionMetadata, silu_and_mul
 
@@ -39,7 +41,13 @@ class DecoderLayer(nn.Module):
             qkv_bias=config.attention_bias,
             qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
         )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp: nn.Module
+        if config.num_experts:
+            self.mlp = mixtral.SparseMoeBlock(
+                config.hidden_size, config.intermediate_size, config.num_experts, config.num_experts_per_tok
+            )
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -87,7 +95,8 @@ class DecoderModel(nn.Module):
         return x
 
 
-# HF checkpoint name -> (our parameter, shard): q/k/v and gate/up are fused here.
+# HF checkpoint name -> (our parameter, shard): q/k/v and gate/up are fused here (and
+# Mixtral's experts stacked: mixtral.hf_target).
 _STACKED: dict[str, tuple[str, str | int]] = {
     ".q_proj.": (".qkv_proj.", "q"),
     ".k_proj.": (".qkv_proj.", "k"),
@@ -146,14 +155,19 @@ class CausalLM(nn.Module):
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
     @staticmethod
-    def _target(name: str) -> tuple[str, str | int | None]:
+    def _target(name: str) -> tuple[str, str | int | mixtral.ExpertShard | None]:
+        moe = mixtral.hf_target(name)
+        if moe is not None:
+            return moe
         for old, (new, shard) in _STACKED.items():
             if old in name:
                 return name.replace(old, new), shard
         return name, None
 
-    def _shard(self, target: str, data: torch.Tensor, shard: str | int) -> torch.Tensor:
+    def _shard(self, target: str, data: torch.Tensor, shard: str | int | mixtral.ExpertShard) -> torch.Tensor:
         c = self.config
+        if isinstance(shard, tuple):
+            return mixtral.expert_slice(target, data, shard, c.intermediate_size)
         if isinstance(shard, int):
             return data.narrow(0, shard * c.intermediate_size, c.intermediate_size)
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -163,8 +177,11 @@ class CausalLM(nn.Module):
     @staticmethod
     def _expected_loads(params: dict[str, nn.Parameter]) -> set[str]:
         expected = set()
-        for name in params:
-            if ".qkv_proj." in name:
+        for name, param in params.items():
+            experts = mixtral.expected_expert_shards(name, param)
+            if experts is not None:
+                expected |= experts
+            elif ".qkv_proj." in name:
                 expected |= {f"{name}:q", f"{name}:k", f"{name}:v"}
             elif ".gate_up_proj." in name:
                 expected |= {f"{name}:0", f"{name}:1"}

@@ -238,6 +238,9 @@ def test_chat_ctrl_c_cancels_the_reply_and_chat_goes_on(cluster: LocalCluster) -
         [sys.executable, "-m", "cluster.cli", "chat", "--address", cluster.router_address, "--api-key", API_KEY,
          "--temperature", "0", "--max-tokens", "400"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A shell's background job (CI under `&`) starts with SIGINT ignored, and Python keeps
+        # an ignored SIGINT: give the chat a terminal's default, as a user's would have.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert chat.stdin is not None and chat.stdout is not None
     chat.stdin.write("Count from 1 to 500, separated by commas.\n")
