@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         assert servicer is not None
         servicer.before_abort(request_id)
 
-    loop = EngineLoop(core, tokenizer, before_abort=before_abort)
+    loop = EngineLoop(core, tokenizer, before_abort=before_abort, stall_timeout_s=args.stall_timeout_s)
     servicer = DecodeServicer(loop, receiver, layout, args.lease_s, args.transfer_timeout_s)
     try:
         serve(args, "vllm_cluster.DecodeWorker",

@@ -67,6 +67,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self._streams.pop(request_id, None)
 
     def Reserve(self, msg: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.Reservation:
+        problem = self._loop.problem()
+        if problem is not None:
+            abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         try:
             request = request_from_proto(self._loop.core, msg.request)
         except InvalidRequestError as e:
@@ -149,5 +152,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.ReleaseResponse(found=self._loop.abort(msg.request_id))
 
     def Stats(self, msg: pb.StatsRequest, context: grpc.ServicerContext) -> pb.WorkerStats:
+        problem = self._loop.problem()
+        if problem is not None:  # the router polls this: it stops sending here
+            abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         stats = self._loop.stats()
         return worker_stats_to_proto(stats, "decode", self._layout.block_size, self._layout.model, self._receiver.endpoint)

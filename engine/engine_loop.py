@@ -12,6 +12,11 @@ Lifecycle of a request in the loop:
      abort from any thread (`abort`) ends the stream with "abort" and frees its blocks.
   4. Decode role: reservations whose lease ran out are aborted by the loop, after the
      `before_abort` hook (the KV receiver's cancel) guarantees nothing more lands in them.
+
+Health: `problem()` says why the loop cannot serve (None when it can): its thread died (every
+open stream then ends with an error and every later call raises EngineDeadError at once),
+or one iteration has run longer than `stall_timeout_s` (a wedged step). Servers turn that
+into NOT_SERVING, so the router stops sending here.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +32,7 @@ from typing import Any, TypeVar
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore, EngineStats, KVPush
+from engine.errors import EngineDeadError
 from engine.request import Request, TokenLogprobs
 from engine.scheduler import RequestUpdate, SampledToken
 
@@ -88,17 +95,21 @@ class EngineLoop:
         core: EngineCore,
         tokenizer: Any | None,
         before_abort: Callable[[str], None] | None = None,
+        stall_timeout_s: float = 120.0,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self._before_abort = before_abort
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[], None], Future[Any]]] = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}
         self._stopped = threading.Event()
         self.num_expired_leases = 0  # decode role, since start; written by the engine thread only
         # Refreshed by the engine thread after every iteration: readers never wait for a step
         # (a long prefill step must not make health checks time out).
         self._stats: EngineStats = core.stats()
+        self.stall_timeout_s = stall_timeout_s
+        self._iteration_started = time.monotonic()
+        self._error: BaseException | None = None  # why the engine thread died
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -114,8 +125,21 @@ class EngineLoop:
             except BaseException as e:  # handed to the caller, never kills the loop
                 future.set_exception(e)
 
-        self._commands.put(run)
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}")
+        self._commands.put((run, future))
+        if self._error is not None:  # died while we queued: nobody will run it
+            self._fail_commands()
         return future.result(timeout=timeout_s)
+
+    def problem(self) -> str | None:
+        """Why this engine cannot serve now, or None when it can."""
+        if self._error is not None or not self._thread.is_alive():
+            return f"the engine loop died: {self._error!r}"
+        stalled = time.monotonic() - self._iteration_started
+        if stalled > self.stall_timeout_s:
+            return f"the engine loop has been stuck in one step for {stalled:.0f}s"
+        return None
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its last loop iteration (at most one step old)."""
@@ -156,7 +180,7 @@ class EngineLoop:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._commands.put(lambda: None)
+        self._commands.put((lambda: None, Future()))
         self._thread.join(timeout=10)
 
     # ---- the engine thread
@@ -181,13 +205,35 @@ class EngineLoop:
         return request is not None
 
     def _run(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException as e:
+            logger.exception("the engine loop died; failing every request it holds")
+            self._error = e
+            for request_id, tracked in list(self._tracked.items()):
+                del self._tracked[request_id]
+                tracked.stream.put(self._delta(tracked, [], "abort", None, error=f"the engine loop died: {e!r}"))
+            self._fail_commands()
+
+    def _fail_commands(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine loop died: {self._error!r}"))
+
+    def _serve_forever(self) -> None:
         while not self._stopped.is_set():
+            self._iteration_started = time.monotonic()
             busy = self.core.has_unfinished()
             try:
-                command = self._commands.get_nowait() if busy else self._commands.get(timeout=_IDLE_WAIT_S)
+                command, _ = self._commands.get_nowait() if busy else self._commands.get(timeout=_IDLE_WAIT_S)
+                self._iteration_started = time.monotonic()  # the idle wait is not a stall
                 command()
                 while True:
-                    self._commands.get_nowait()()
+                    self._commands.get_nowait()[0]()
             except queue.Empty:
                 pass
             for request_id in self.core.expired_leases():

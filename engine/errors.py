@@ -15,3 +15,11 @@ class InvalidRequestError(EngineError, ValueError):
 
 class ModelLoadError(EngineError, RuntimeError):
     """A model path, weights file or architecture cannot be loaded."""
+
+
+class EngineDeadError(EngineError, RuntimeError):
+    """The engine loop's thread died: this instance cannot serve until it restarts."""
+
+
+class WorkerDiedError(EngineError, RuntimeError):
+    """A tensor/pipeline-parallel rank failed; its engine cannot continue."""

@@ -49,6 +49,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     def Prefill(self, msg: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         arrival = time.monotonic()
+        problem = self._loop.problem()
+        if problem is not None:
+            abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         try:
             request = request_from_proto(self._loop.core, msg.request)
         except InvalidRequestError as e:
@@ -98,6 +101,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb.ReleaseResponse(found=self._loop.abort(msg.request_id))
 
     def Stats(self, msg: pb.StatsRequest, context: grpc.ServicerContext) -> pb.WorkerStats:
+        problem = self._loop.problem()
+        if problem is not None:  # the router polls this: it stops sending here
+            abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         stats = self._loop.stats()
         return worker_stats_to_proto(stats, "prefill", self._layout.block_size, self._layout.model, "")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import signal
 import threading
@@ -21,6 +22,8 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "x-cluster-token"
 TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
@@ -145,9 +148,53 @@ def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) ->
     raise AssertionError("grpc's context.abort returned")  # it raises; this tells type checkers
 
 
-def announce_and_wait(server: grpc.Server, port: int, ready_file: Path | None, **info: Any) -> None:
+class HealthReporter:
+    """Keeps the standard health service truthful: NOT_SERVING while `problem()` names one
+    (checked every `interval_s` on its own thread) and from the moment a drain starts."""
+
+    def __init__(
+        self, health_servicer: health.HealthServicer, services: Iterable[str],
+        problem: Callable[[], str | None], interval_s: float = 0.5,
+    ) -> None:
+        self._health = health_servicer
+        self._services = ["", *services]
+        self._problem = problem
+        self._interval_s = interval_s
+        self._serving = True
+        self._draining = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="health", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        self._draining.set()
+        self._set(False, "draining: finishing the requests in flight, refusing new ones")
+
+    def close(self) -> None:
+        self._draining.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._draining.wait(self._interval_s):
+            problem = self._problem()
+            self._set(problem is None, problem or "serving again")
+
+    def _set(self, serving: bool, why: str) -> None:
+        if serving == self._serving:
+            return
+        self._serving = serving
+        logger.warning("health: %s (%s)", "SERVING" if serving else "NOT_SERVING", why)
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self._services:
+            self._health.set(name, status)
+
+
+def announce_and_wait(
+    server: grpc.Server, port: int, ready_file: Path | None, grace_s: float = 5.0,
+    on_signal: Callable[[], None] | None = None, **info: Any,
+) -> None:
     """Write `ready_file` (JSON: port, pid, info) for whoever started this process, then
-    block until SIGTERM/SIGINT and stop the server, giving calls in flight 5 s."""
+    block until SIGTERM/SIGINT and drain: `on_signal()` (flip health, refuse new work), then
+    stop the server, which refuses new calls and gives those in flight `grace_s`."""
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), **info}))
@@ -156,4 +203,6 @@ def announce_and_wait(server: grpc.Server, port: int, ready_file: Path | None, *
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    server.stop(grace=5).wait()
+    if on_signal is not None:
+        on_signal()
+    server.stop(grace=grace_s).wait()

@@ -19,7 +19,7 @@ from engine.engine_loop import EngineLoop
 from engine.tokenizer import load_tokenizer
 from kv_index import BlockEventPublisher
 from metrics import InstanceMetrics
-from proto.rpc import TOKEN_ENV, announce_and_wait, make_server
+from proto.rpc import TOKEN_ENV, HealthReporter, announce_and_wait, make_server
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +36,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="publish prefix-cache block events to this Redis (empty: don't)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port, on --host; 0 picks a free one (see the ready file)")
+    parser.add_argument("--drain-grace-s", type=float, default=30.0,
+                        help="on SIGTERM, how long requests in flight get to finish")
+    parser.add_argument("--stall-timeout-s", type=float, default=120.0,
+                        help="health says NOT_SERVING when one engine step runs longer than this")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="written (JSON: port, metrics_port, kv_endpoint, pid) once the server is up")
 
@@ -63,16 +67,21 @@ def serve(
     loop: EngineLoop,
     metrics: InstanceMetrics,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then stop accepting and give calls in flight 5 s.
+    """Serve until SIGTERM/SIGINT, then drain: health NOT_SERVING, new calls refused, calls
+    in flight given --drain-grace-s to finish; then the engine stops and the process exits.
     `metrics` is served over HTTP on args.host:args.metrics_port meanwhile."""
-    server, port, _ = make_server(f"{args.host}:{args.port}", [service_name], os.environ.get(TOKEN_ENV))
+    server, port, health = make_server(f"{args.host}:{args.port}", [service_name], os.environ.get(TOKEN_ENV))
+    reporter = HealthReporter(health, [service_name], loop.problem)
     add_servicer(server)
     publisher = _start_publisher(args, loop, f"{args.host}:{port}") if args.redis_url else None
     server.start()
     metrics_port = metrics.serve(args.host, args.metrics_port)
     logging.getLogger(__name__).info("%s serving on %s:%d (metrics on port %d)",
                                      service_name, args.host, port, metrics_port)
-    announce_and_wait(server, port, args.ready_file, metrics_port=metrics_port, **ready_info)
+    announce_and_wait(server, port, args.ready_file, args.drain_grace_s, reporter.drain,
+                      metrics_port=metrics_port, **ready_info)
+    reporter.close()
+    loop.stop()
     metrics.close()
     if publisher is not None:
         publisher.close()

@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -65,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     server.start()
     serving = OpenAIServing(RouterBackend(f"127.0.0.1:{bound}", api_key), tokenizer, engine_config.model.model, context_len)
-    http = _start_http(config, args, serving, servicer, registry, api_key)
+    draining = threading.Event()
+    http = _start_http(config, args, serving, servicer, registry, api_key, draining)
     log = logging.getLogger(__name__)
     log.info("router serving gRPC on %s:%d, OpenAI HTTP on http://%s:%d", config.host, bound, config.host, http.port)
-    announce_and_wait(server, bound, args.ready_file, http_port=http.port)
+    # SIGTERM: /health says 503 and new calls are refused at once; those in flight finish.
+    announce_and_wait(server, bound, args.ready_file, config.drain_grace_s, draining.set, http_port=http.port)
     http.stop()
     registry.close()
     return 0
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_http(
     config: RouterConfig, args: argparse.Namespace, serving: OpenAIServing, servicer: RouterServicer,
-    registry: Registry, api_key: str,
+    registry: Registry, api_key: str, draining: threading.Event,
 ) -> HttpServer:
     """The OpenAI front; `serving` calls this router's own gRPC API over loopback."""
 
@@ -84,7 +87,7 @@ def _start_http(
         return generate_latest(servicer.metrics.registry), CONTENT_TYPE_LATEST
 
     def is_healthy() -> bool:
-        return any(i.healthy for i in registry.of_role("decode"))
+        return not draining.is_set() and any(i.healthy for i in registry.of_role("decode"))
 
     app = build_app(serving, api_key, config.max_request_bytes, is_healthy, metrics)
     port = config.http_port if args.http_port is None else args.http_port

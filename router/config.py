@@ -28,10 +28,15 @@ class RouterConfig:
     # A decode instance lost mid-stream: replay prompt + tokens so far on another, up to this
     # many times per request (0: the client gets UNAVAILABLE / an error frame instead).
     max_migrations: int = 1
+    # Admission control: when every decode instance is full, up to this many requests wait
+    # (each up to queue_timeout_s) for room; more are shed at once (RESOURCE_EXHAUSTED / 429).
+    max_queued_requests: int = 256
+    queue_timeout_s: float = 10.0
     lease_s: float = 30.0  # a reservation's blocks are freed if decoding has not started by then
     transfer_timeout_s: float = 30.0  # how long decode waits for the KV to land
     prefill_timeout_s: float = 300.0  # a Prefill call that takes longer counts as failed
     stats_interval_s: float = 0.5
+    drain_grace_s: float = 30.0  # on SIGTERM, how long requests in flight get to finish
     # Prefix-aware routing: the Redis the instances publish their block events to ("" with
     # `vllm-cluster serve`: the embedded one it starts), and the score's weights.
     redis_url: str = ""
@@ -54,11 +59,15 @@ class RouterConfig:
                 raise ConfigError(f"router.{name} must be a TCP port (0 picks a free one)")
         if self.max_request_bytes < 1024:
             raise ConfigError("router.max_request_bytes must be >= 1024")
+        if self.max_queued_requests < 0:
+            raise ConfigError("router.max_queued_requests must be >= 0 (0: shed at once when full)")
+        if self.queue_timeout_s < 0:
+            raise ConfigError("router.queue_timeout_s must be >= 0")
         if self.max_migrations < 0:
             raise ConfigError("router.max_migrations must be >= 0 (0: no migration)")
         if self.min_prefill_tokens < 0:
             raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
-        for name in ("lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s", "prefix_index_timeout_s"):
+        for name in ("drain_grace_s", "lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s", "prefix_index_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0")
 

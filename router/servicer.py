@@ -82,6 +82,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._max_model_len = max_model_len
         self._active: dict[str, Handoff] = {}
         self._lock = threading.Lock()
+        self._room = threading.Condition()  # notified whenever a request leaves a decode instance
+        self._num_queued = 0  # requests waiting for room (admission control)
         self._turn = 0
 
     # ---- client API
@@ -188,6 +190,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             yield from self._relay(handoff, decode, call, timings, arrival, context, progress)
         finally:
             self._registry.release(decode)
+            with self._room:  # its blocks are free (or about to be): queued requests try again
+                self._room.notify_all()
 
     def _held_back_text(self, request: pb.WorkerRequest, progress: _Progress) -> str:
         """Text of tokens already relayed that the lost instance still held back (it might
@@ -231,11 +235,47 @@ class RouterServicer(pb_grpc.GenerationServicer):
     def _reserve(
         self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
     ) -> tuple[Instance, pb.Reservation]:
-        names = self._rank("decode", request, overlap)
-        if not names:  # none up: UNAVAILABLE (HTTP 503); all up but full: RESOURCE_EXHAUSTED (429)
-            abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode instance; retry later")
-        last_error = ""
-        for name in names:
+        """Reserve on the best decode instance that has room. When every healthy one is full,
+        wait for room in a bounded queue (admission control): beyond `max_queued_requests`,
+        or after `queue_timeout_s`, the request is shed with RESOURCE_EXHAUSTED at once,
+        so the requests already admitted keep their latency."""
+        deadline = time.monotonic() + self._config.queue_timeout_s
+        queued = False
+        try:
+            while True:
+                found, full, down = self._try_reserve(handoff, request, overlap, context)
+                if found is not None:
+                    return found
+                if not full:  # UNAVAILABLE (HTTP 503): nothing up; RESOURCE_EXHAUSTED (429): all full
+                    abort(context, grpc.StatusCode.UNAVAILABLE,
+                          f"no healthy decode instance ({'; '.join(down) or 'none registered'}); retry later")
+                if not queued:
+                    with self._room:
+                        if self._num_queued >= self._config.max_queued_requests:
+                            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"every decode instance is full and {self._num_queued} requests are queued; retry later")
+                        self._num_queued += 1
+                        queued = True
+                if time.monotonic() >= deadline:
+                    abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"no decode instance had room within {self._config.queue_timeout_s:g}s ({'; '.join(full)}); retry later")
+                if handoff.state == HandoffState.ABORTED:
+                    _end_aborted(context, handoff)
+                with self._room:
+                    self._room.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        finally:
+            if queued:
+                with self._room:
+                    self._num_queued -= 1
+
+    def _try_reserve(
+        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
+    ) -> tuple[tuple[Instance, pb.Reservation] | None, list[str], list[str]]:
+        """One pass over the ranked decode instances: (instance, reservation) or None, with
+        why each failed: full (RESOURCE_EXHAUSTED) or down (UNAVAILABLE)."""
+        full: list[str] = []
+        down: list[str] = []
+        for name in self._rank("decode", request, overlap):
             instance = self._registry.acquire(name)
             try:
                 reservation = instance.stub.Reserve(
@@ -245,18 +285,20 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 self._registry.release(instance)
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     abort(context, e.code(), e.details())
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._registry.mark_unhealthy(instance)
                 if e.code() not in _RETRYABLE:
                     abort(context, e.code(), f"{name}: {e.details()}")
-                last_error = f"{name}: {e.details()}"
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._registry.mark_unhealthy(instance)
+                    down.append(f"{name}: {e.details()}")
+                else:
+                    full.append(f"{name}: {e.details()}")
                 continue
             handoff.on_abort(partial(instance.stub.Release, pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
             if not handoff.advance(HandoffState.RESERVED):
                 self._registry.release(instance)
                 _end_aborted(context, handoff)
-            return instance, reservation
-        abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"no decode instance can take this request now ({last_error}); retry later")
+            return (instance, reservation), full, down
+        return None, full, down
 
     def _prefill(
         self,

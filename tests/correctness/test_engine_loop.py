@@ -57,3 +57,50 @@ def test_abort_ends_stream_and_frees_blocks(loop: EngineLoop, smollm2: LLM) -> N
     assert not loop.abort("long")
     pool = loop.core.kv.pool
     assert loop.call(lambda core: pool.num_free_blocks) == pool.num_blocks
+
+
+class _Fatal(BaseException):
+    """Not an Exception: gets past the step's own error handling, as a real bug's would."""
+
+
+def test_dead_loop_ends_streams_and_refuses_calls(smollm2: LLM) -> None:
+    from engine.errors import EngineDeadError
+
+    loop = EngineLoop(smollm2.derive().core, smollm2.get_tokenizer())
+    tok = smollm2.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    stream = loop.add(loop.core.make_request("doomed", tok.encode("Once upon a time"), params))
+    assert stream.get(timeout_s=30).token_ids  # decoding
+
+    def explode() -> None:
+        raise _Fatal("a bug in the step")
+
+    loop.core.step = explode  # type: ignore[method-assign]  # the next step kills the loop thread
+    last = list(stream)[-1]
+    assert last.finish_reason == "abort" and last.error is not None and "loop died" in last.error
+    assert loop.problem() is not None and "died" in loop.problem()  # type: ignore[operator]
+    with pytest.raises(EngineDeadError):
+        loop.call(lambda core: core.stats(), timeout_s=5)
+
+
+def test_stuck_step_is_reported_then_clears(smollm2: LLM) -> None:
+    import time
+
+    loop = EngineLoop(smollm2.derive().core, smollm2.get_tokenizer(), stall_timeout_s=0.5)
+    real_step = loop.core.step
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return real_step()
+
+    loop.core.step = slow_step  # type: ignore[method-assign]
+    tok = smollm2.get_tokenizer()
+    stream = loop.add(loop.core.make_request("slow", tok.encode("Hi"), SamplingParams(temperature=0, max_tokens=1)))
+    time.sleep(1.2)
+    problem = loop.problem()
+    assert problem is not None and "stuck" in problem
+    assert list(stream)[-1].finish_reason == "length"
+    loop.core.step = real_step  # type: ignore[method-assign]
+    time.sleep(0.2)
+    assert loop.problem() is None
+    loop.stop()

@@ -4,6 +4,7 @@ blocks. Tests that kill an instance run last in this module."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,12 +86,17 @@ def test_decode_killed_mid_stream_is_replayed_elsewhere(cluster: LocalCluster, c
     _assert_live_blocks_return(cluster)
 
 
-def test_no_decode_left_mid_stream_is_unavailable(cluster: LocalCluster, client: Client) -> None:
-    """After the test above one decode instance is left; kill it mid-stream: nowhere to go."""
-    with pytest.raises(ClientError) as error, \
-            client.stream(text=PROMPT, max_tokens=400, temperature=0, ignore_eos=True) as stream:
-        for i, _ in enumerate(stream):
-            if i == 3:
-                (name,) = _decode_stats(cluster)
-                cluster.kill(name)
-    assert error.value.code.name == "UNAVAILABLE"
+def test_sigterm_drains_the_last_decode_instance(cluster: LocalCluster, client: Client) -> None:
+    """SIGTERM: the request in flight finishes, new ones are refused, the process exits 0."""
+    (name,) = _decode_stats(cluster)  # the one left after the test above
+    process = cluster.process(name)
+    with client.stream(text=PROMPT, max_tokens=40, temperature=0, ignore_eos=True) as stream:
+        pieces = iter(stream)
+        next(pieces)
+        process.popen.send_signal(signal.SIGTERM)
+        rest = list(pieces)
+    assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 40
+    with pytest.raises(ClientError) as error:
+        client.generate(text="Hi", max_tokens=2)
+    assert error.value.code.name == "UNAVAILABLE"  # no decode instance left to serve
+    assert process.popen.wait(timeout=40) == 0

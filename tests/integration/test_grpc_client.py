@@ -142,8 +142,16 @@ def test_resource_exhausted_when_decode_is_full(cluster: LocalCluster, client: C
             held.append(request.request_id)
         assert held and len(held) < 8
         prompt = list(range(20_001, 20_001 + num_tokens))
+        start = time.monotonic()
         e = _error(lambda: client.generate(token_ids=prompt, max_tokens=4))
+        waited = time.monotonic() - start
         assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in e.message
+        assert 1.5 <= waited < 20, f"queued for router.queue_timeout_s (2 s), then shed: {waited:.1f}s"
+        # Queued, then admitted: room appears while it waits.
+        threading.Timer(0.5, decode.Release, args=(pb.ReleaseRequest(request_id=held.pop()),),
+                        kwargs={"timeout": 10}).start()
+        admitted = client.generate(token_ids=prompt, max_tokens=2, ignore_eos=True)
+        assert admitted.usage is not None and admitted.usage.completion_tokens == 2
     finally:
         for request_id in held:
             decode.Release(pb.ReleaseRequest(request_id=request_id), timeout=10)
