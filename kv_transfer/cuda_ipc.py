@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.base import KVLayout, KVTransferError, TransferStatus, parse_endpoint
+from kv_transfer.base import (
+    KVLayout,
+    KVTransferError,
+    TransferStatus,
+    handshake_message,
+    parse_endpoint,
+)
 from kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
 from proto import kv_transfer_pb2 as kvpb
 
@@ -259,9 +265,7 @@ class CudaIpcSender:
                 "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
             )
         self._kv_caches = list(kv_caches)
-        self._handshake = kvpb.Handshake(
-            layout=layout.to_proto(), sender_id=sender_id
-        ).SerializeToString()
+        self._handshake = handshake_message(layout, sender_id).SerializeToString()
         self._table = SendTable()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()

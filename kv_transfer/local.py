@@ -29,6 +29,7 @@ from kv_transfer.base import (
     KVTransferError,
     TransferStatus,
     check_kv_caches,
+    handshake_message,
 )
 from kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
 from proto import kv_transfer_pb2
@@ -131,9 +132,7 @@ class LocalSender:
         if receiver is None:
             raise KVTransferError(f"no local KV receiver at {endpoint!r} (closed, or never made)")
         if endpoint not in self._accepted:
-            handshake = kv_transfer_pb2.Handshake(
-                layout=self.layout.to_proto(), sender_id=self.sender_id
-            )
+            handshake = handshake_message(self.layout, self.sender_id)
             reply = receiver.handshake(handshake)
             if not reply.accepted:
                 self._rejections[endpoint] = reply.error

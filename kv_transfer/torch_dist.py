@@ -60,6 +60,7 @@ from kv_transfer.base import (
     check_kv_caches,
     describe_error,
     flat_bytes,
+    handshake_message,
     pack_frames,
     parse_endpoint,
     unpack_frame,
@@ -322,9 +323,7 @@ class TorchDistSender:
         check_kv_caches(kv_caches)
         self.kv_caches = list(kv_caches)
         self._table = SendTable()
-        self._handshake = kv_transfer_pb2.Handshake(
-            layout=layout.to_proto(), sender_id=sender_id
-        ).SerializeToString()
+        self._handshake = handshake_message(layout, sender_id).SerializeToString()
         self._peers: dict[str, _DistPeer] = {}
         self._all_peers: list[_DistPeer] = []
         self._lock = threading.Lock()

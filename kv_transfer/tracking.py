@@ -20,7 +20,9 @@ and forgets the transfer, keeping the reasons of the last failures for `error`.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +41,7 @@ from kv_transfer.base import (
     split_segments,
 )
 from proto import kv_transfer_pb2
+from proto.rpc import TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,7 @@ class ReceiveTable:
         self.num_blocks = self.kv_caches[0].shape[0]
         self.block_bytes = self.kv_caches[0][0].numel() * self.kv_caches[0].element_size()
         self.max_num_finished = max_num_finished
+        self._token = os.environ.get(TOKEN_ENV, "")  # empty: a process outside a cluster (tests)
         self._incoming: dict[str, _Incoming] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._cond = threading.Condition()
@@ -117,7 +121,11 @@ class ReceiveTable:
     def answer_handshake(
         self, handshake: kv_transfer_pb2.Handshake
     ) -> kv_transfer_pb2.HandshakeReply:
-        """Accept a sender whose layout equals ours; otherwise log why and refuse it."""
+        """Accept a sender of our cluster (its token) whose layout equals ours; otherwise log
+        why and refuse it."""
+        if self._token and not hmac.compare_digest(handshake.cluster_token.encode(), self._token.encode()):
+            logger.error("refusing KV sender %r: missing or wrong cluster token", handshake.sender_id)
+            return kv_transfer_pb2.HandshakeReply(accepted=False, error="missing or wrong cluster token")
         problems = KVLayout.from_proto(handshake.layout).mismatches(self.layout)
         if not problems:
             return kv_transfer_pb2.HandshakeReply(accepted=True)

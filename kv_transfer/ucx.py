@@ -54,6 +54,7 @@ from kv_transfer.base import (
     TransferStatus,
     check_kv_caches,
     describe_error,
+    handshake_message,
     pack_frames,
     parse_endpoint,
 )
@@ -284,9 +285,7 @@ class UcxSender:
         check_kv_caches(kv_caches)
         self.kv_caches = list(kv_caches)
         self._table = SendTable()
-        self._handshake = kv_transfer_pb2.Handshake(
-            layout=layout.to_proto(), sender_id=sender_id
-        ).SerializeToString()
+        self._handshake = handshake_message(layout, sender_id).SerializeToString()
         self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
         self._peers: dict[str, _UcxPeer] = {}
         self._all_peers: list[_UcxPeer] = []

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17proto/kv_transfer.proto\x12\x0fvllm_cluster.kv\"\xaa\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x0f\n\x07tp_rank\x18\t \x01(\x05\"I\n\tHandshake\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.vllm_cluster.kv.KVLayout\x12\x11\n\tsender_id\x18\x02 \x01(\t\"1\n\x0eHandshakeReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"s\n\rKVChunkHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x17\n\x0f\x64st_block_start\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\"\xeb\x01\n\rCudaIpcTensor\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x15\n\rtensor_offset\x18\t \x01(\x03\"?\n\rCudaIpcExport\x12.\n\x06layers\x18\x01 \x03(\x0b\x32\x1e.vllm_cluster.kv.CudaIpcTensorb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17proto/kv_transfer.proto\x12\x0fvllm_cluster.kv\"\xaa\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x0f\n\x07tp_rank\x18\t \x01(\x05\"`\n\tHandshake\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.vllm_cluster.kv.KVLayout\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x15\n\rcluster_token\x18\x03 \x01(\t\"1\n\x0eHandshakeReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"s\n\rKVChunkHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x17\n\x0f\x64st_block_start\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\"\xeb\x01\n\rCudaIpcTensor\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x15\n\rtensor_offset\x18\t \x01(\x03\"?\n\rCudaIpcExport\x12.\n\x06layers\x18\x01 \x03(\x0b\x32\x1e.vllm_cluster.kv.CudaIpcTensorb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=45
   _globals['_KVLAYOUT']._serialized_end=215
   _globals['_HANDSHAKE']._serialized_start=217
-  _globals['_HANDSHAKE']._serialized_end=290
-  _globals['_HANDSHAKEREPLY']._serialized_start=292
-  _globals['_HANDSHAKEREPLY']._serialized_end=341
-  _globals['_KVCHUNKHEADER']._serialized_start=343
-  _globals['_KVCHUNKHEADER']._serialized_end=458
-  _globals['_CUDAIPCTENSOR']._serialized_start=461
-  _globals['_CUDAIPCTENSOR']._serialized_end=696
-  _globals['_CUDAIPCEXPORT']._serialized_start=698
-  _globals['_CUDAIPCEXPORT']._serialized_end=761
+  _globals['_HANDSHAKE']._serialized_end=313
+  _globals['_HANDSHAKEREPLY']._serialized_start=315
+  _globals['_HANDSHAKEREPLY']._serialized_end=364
+  _globals['_KVCHUNKHEADER']._serialized_start=366
+  _globals['_KVCHUNKHEADER']._serialized_end=481
+  _globals['_CUDAIPCTENSOR']._serialized_start=484
+  _globals['_CUDAIPCTENSOR']._serialized_end=719
+  _globals['_CUDAIPCEXPORT']._serialized_start=721
+  _globals['_CUDAIPCEXPORT']._serialized_end=784
 # @@protoc_insertion_point(module_scope)

@@ -29,12 +29,14 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class Handshake(_message.Message):
-    __slots__ = ("layout", "sender_id")
+    __slots__ = ("layout", "sender_id", "cluster_token")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     sender_id: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., sender_id: _Optional[str] = ...) -> None: ...
+    cluster_token: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., sender_id: _Optional[str] = ..., cluster_token: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
     __slots__ = ("accepted", "error")

@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterable
@@ -140,6 +141,17 @@ def check_health(channel: grpc.Channel, service: str = "", timeout_s: float = 1.
     except grpc.RpcError:
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+_ENDPOINT = re.compile(r"\b(?:[a-z]+://)?(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-f:]+\]|localhost)(?::\d+)?", re.IGNORECASE)
+_ADDRESS = re.compile(r"\b0x[0-9a-f]{6,}\b", re.IGNORECASE)
+
+
+def scrub(message: str) -> str:
+    """A message fit for clients: no tracebacks, memory addresses or internal endpoints
+    (the full text stays in the server's log)."""
+    message = message.split("Traceback (most recent call last)")[0].rstrip()
+    return _ADDRESS.sub("0x…", _ENDPOINT.sub("<internal>", message))
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

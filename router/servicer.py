@@ -43,13 +43,20 @@ from metrics import RouterMetrics
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import sampling_params_from_proto
-from proto.rpc import abort
+from proto.rpc import abort as _abort
+from proto.rpc import scrub
 from router.config import RouterConfig
 from router.handoff import Handoff, HandoffState
 from router.policy import rank, should_skip_prefill
 from router.registry import Instance, Registry
 
 logger = logging.getLogger(__name__)
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End a client's call; worker details reach the client without internal endpoints."""
+    _abort(context, code, scrub(message))
+
 
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 # A decode stream that breaks with these is replayed on another instance (max_migrations):

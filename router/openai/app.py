@@ -77,8 +77,9 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> Response:
-        logger.exception("unexpected error serving %s", request.url.path)
-        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        request_id = _request_id(request)
+        logger.exception("unexpected error serving %s (request %s)", request.url.path, request_id)
+        return error_response(ApiError(500, f"internal server error; the server log has the details (request id {request_id})"))
 
     @app.get("/health")
     async def health() -> Response:

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.tokenizer import apply_chat_template
 from proto import cluster_pb2 as pb
+from proto.rpc import scrub
 from router.openai.backend import Piece, RouterBackend
 from router.openai.protocol import (
     ApiError,
@@ -38,7 +39,7 @@ def sse(data: Any) -> str:
 
 def error_body(e: ApiError) -> dict[str, Any]:
     """vLLM's envelope."""
-    return {"error": {"message": e.message, "type": _ERROR_TYPES.get(e.status, "InternalServerError"), "param": e.param, "code": e.status}}
+    return {"error": {"message": scrub(e.message), "type": _ERROR_TYPES.get(e.status, "InternalServerError"), "param": e.param, "code": e.status}}
 
 
 _ERROR_TYPES = {

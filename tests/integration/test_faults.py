@@ -4,7 +4,12 @@ blocks. Tests that kill an instance run last in this module."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pickle
+import random
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +63,53 @@ def _assert_live_blocks_return(cluster: LocalCluster, timeout_s: float = 20.0) -
             return
         assert time.monotonic() < deadline, f"blocks not returned (free, total, running): {busy}"
         time.sleep(0.2)
+
+
+class _Evil:
+    """Unpickling this would create the marker file: nothing may unpickle it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _listeners(cluster: LocalCluster) -> dict[str, tuple[str, int]]:
+    """Every TCP listener of the cluster: gRPC, HTTP, metrics, KV transfer."""
+    found = {"router grpc": cluster.router_address, "router http": cluster.http_address.removeprefix("http://")}
+    for i, address in enumerate(cluster.prefill_addresses):
+        found[f"prefill-{i} grpc"] = address
+    for i, address in enumerate(cluster.decode_addresses):
+        found[f"decode-{i} grpc"] = address
+    for name, url in cluster.metrics_addresses.items():
+        found[f"{name} metrics"] = url.removeprefix("http://")
+    for name, stats in _decode_stats(cluster).items():
+        found[f"{name} kv"] = stats.kv_endpoint.split("://")[-1]
+    return {name: (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for name, a in found.items()}
+
+
+def test_pickles_and_garbage_on_every_listener_are_refused(cluster: LocalCluster, client: Client,
+                                                           tmp_path: Path) -> None:
+    marker = tmp_path / "unpickled"
+    payloads = [pickle.dumps(_Evil(marker)), random.Random(0).randbytes(64 * 1024), b"\x00" * 4096,
+                b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/python-pickle\r\nContent-Length: 70\r\n\r\n"
+                + pickle.dumps(_Evil(marker))[:70]]
+    listeners = _listeners(cluster)
+    assert len(listeners) >= 9, listeners
+    for host, port in listeners.values():
+        for payload in payloads:
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(payload)
+                sock.settimeout(2)
+                with contextlib.suppress(OSError):
+                    sock.recv(4096)
+    time.sleep(1.0)
+    assert not marker.exists(), "a listener unpickled network data"
+    dead = [p.name for p in cluster.processes if p.popen.poll() is not None]
+    assert not dead, f"processes died of garbage on their listeners: {dead}"
+    assert client.generate(text="The capital of France is", max_tokens=4, temperature=0).finish_reason == "length"
+    _assert_live_blocks_return(cluster)
 
 
 def test_decode_killed_mid_stream_is_replayed_elsewhere(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:

@@ -172,3 +172,33 @@ def test_closed_receiver_fails_the_transfer_with_its_endpoint(
     assert sender.wait("late", TIMEOUT_S) == TransferStatus.FAILED
     assert receiver.endpoint in (sender.error("late") or "")
     assert not dst[0][1].any()
+
+
+def test_sender_of_another_cluster_is_refused(
+    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver takes KV only from senders carrying its cluster token."""
+    from proto.rpc import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "our-cluster")
+    src = random_caches(seed=1)
+    dst = zero_caches(src)
+    layout = KVLayout.from_kv_caches(src, MODEL)
+    receiver = make_receiver(backend, dst, layout)
+    closing.append(receiver)
+    monkeypatch.setenv(TOKEN_ENV, "some-other-cluster")
+    stranger = make_sender(backend, src, layout, sender_id="stranger")
+    closing.append(stranger)
+    receiver.expect("req", [0, 1])
+    stranger.push_layer(receiver.endpoint, "req", 0, [0, 1], [0, 1])
+    assert stranger.wait("req", TIMEOUT_S) == TransferStatus.FAILED
+    assert "cluster token" in (stranger.error("req") or "")
+    assert not dst[0].any()
+    monkeypatch.setenv(TOKEN_ENV, "our-cluster")
+    member = make_sender(backend, src, layout, sender_id="prefill-0")
+    closing.append(member)
+    for layer in range(2):
+        member.push_layer(receiver.endpoint, "req", layer, [0, 1], [0, 1])
+    assert member.wait("req", TIMEOUT_S) == TransferStatus.DONE
+    assert receiver.wait("req", TIMEOUT_S) == TransferStatus.DONE
+    assert torch.equal(dst[1][[0, 1]], src[1][[0, 1]])
