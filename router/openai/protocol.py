@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from proto import cluster_pb2 as pb
 
 MAX_N = 64  # choices per request; each is its own sequence on a decode instance
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_LOGPROBS = 20
+_INT32 = 2**31
 
 
 class ApiError(Exception):
@@ -102,6 +104,13 @@ class _SamplingFields(_Request):
             raise bad_request(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}", "logprobs")
+        for name, value in (("max_tokens", max_tokens), ("min_tokens", self.min_tokens), ("top_k", self.top_k)):
+            if value is not None and not -_INT32 <= value < _INT32:
+                raise bad_request(f"{name} is out of range: {value}", name)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad_request(f"seed must fit in 64 bits, got {self.seed}", "seed")
+        if any(not 0 <= t < _INT32 for t in self.stop_token_ids or []):
+            raise bad_request("stop_token_ids must be token ids (0 <= id < 2**31)", "stop_token_ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         msg = pb.SamplingParams(
             top_k=0 if self.top_k in (None, -1) else self.top_k,
@@ -152,6 +161,8 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("prompt is empty; send a string, a list of strings or token ids", "prompt")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
+        if len(p) > MAX_PROMPTS:
+            raise bad_request(f"{len(p)} prompts in one request; send at most {MAX_PROMPTS} per request", "prompt")
         return list(p)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> pb.SamplingParams:

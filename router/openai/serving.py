@@ -31,6 +31,7 @@ from router.openai.protocol import (
 )
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+_MAX_SEQUENCES = 256  # Generate calls one HTTP request may fan out to (prompts x n)
 
 
 def sse(data: Any) -> str:
@@ -254,6 +255,8 @@ class OpenAIServing:
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
+            if any(not 0 <= t < 2**31 for t in prompt):
+                raise bad_request("prompt token ids must be >= 0 and < 2**31", "prompt")
             return prompt
         return list(self._need_tokenizer().encode(prompt))
 
@@ -269,6 +272,9 @@ class OpenAIServing:
     def _job(self, job_id: str, body: _SamplingFields, prompts: list[list[int]], params: pb.SamplingParams) -> _Job:
         if body.model and body.model != self.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist: this server serves `{self.model_name}`", "model")
+        if len(prompts) * body.n > _MAX_SEQUENCES:
+            raise bad_request(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} sequences; "
+                              f"send at most {_MAX_SEQUENCES} per request", "n")
         requests = []
         for i, prompt in enumerate(prompts):
             self._check_context(prompt, params)

@@ -5,7 +5,9 @@ the envelope, status codes and headers it hides. Greedy answers equal the offlin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cluster.local import LocalCluster
 from engine import LLM, SamplingParams
@@ -358,6 +362,79 @@ def test_overload_gives_429_with_retry_after(cluster: LocalCluster, client: Any)
     # Once the holder is gone, the same request is served.
     status, _, body = _http(cluster, "POST", "/v1/completions", {"prompt": long_b, "max_tokens": 2})
     assert status == 200 and body["choices"][0]["text"]
+
+
+def _post_huge_body(cluster: LocalCluster, size: int) -> bytes:
+    """Announce `size` bytes, send the first MiB, read the answer (the server answers and
+    closes without reading the rest)."""
+    host, port = cluster.http_address.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
+        with contextlib.suppress(OSError):
+            sock.sendall(b"x" * (1 << 20))
+        return sock.recv(4096)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+_ANY = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**63), st.floats(allow_nan=True),
+    st.text(max_size=20), st.lists(st.integers(min_value=-5, max_value=10**9), max_size=5),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+_FIELDS = ["model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+           "stop_token_ids", "stream", "stream_options", "best_of", "echo", "logit_bias", "prompt", "messages"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       fields=st.dictionaries(st.sampled_from(_FIELDS), _ANY, max_size=5),
+       max_tokens=st.one_of(st.integers(min_value=-3, max_value=4), st.just(10**12), st.just(float("nan"))))
+def test_fuzzed_bodies_get_4xx_or_a_short_answer(cluster: LocalCluster, route: str, fields: dict[str, Any],
+                                                 max_tokens: Any) -> None:
+    body = {"prompt": "Hi", "messages": CHAT, **fields, "max_tokens": max_tokens}
+    raw = json.dumps(body, allow_nan=True).encode()
+    start = time.monotonic()
+    status, _, reply = _http(cluster, "POST", route, raw=raw)
+    assert status in (200, 400, 404), (body, status, reply)
+    if status != 200:
+        _assert_envelope(reply, status)
+        assert "Traceback" not in reply["error"]["message"]
+    assert time.monotonic() - start < 60
+
+
+def test_advisory_inputs_are_refused_and_the_server_stays_well(cluster: LocalCluster) -> None:
+    router_pid = cluster.process("router").popen.pid
+    rss_before = _rss_mb(router_pid)
+    cases = [
+        ("/v1/completions", {"prompt": "hi", "n": 10**9}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 10**4}),
+        ("/v1/completions", {"prompt": ["hi"] * 10_000, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": [10**9, -1], "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": CHAT, "temperature": float("nan")}),
+        ("/v1/chat/completions", {"messages": CHAT, "top_p": -0.5}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "min_tokens": 5}),
+        ("/v1/chat/completions", {"messages": CHAT, "model": "../../etc/passwd"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 42}]}),
+    ]
+    for route, body in cases:
+        status, _, error = _http(cluster, "POST", route, raw=json.dumps(body, allow_nan=True).encode())
+        assert 400 <= status < 500, (body, status, error)
+        _assert_envelope(error, status)
+    assert _post_huge_body(cluster, 100 << 20).startswith(b"HTTP/1.1 413")  # 100 MB: refused unread
+    assert _rss_mb(router_pid) - rss_before < 300, "router memory grew by more than 300 MB"
+    assert _http(cluster, "GET", "/health", key=None)[0] == 200
+    status, _, body = _http(cluster, "POST", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    _assert_blocks_return(cluster)
 
 
 def test_dead_decode_mid_stream_error_frame_then_503(cluster: LocalCluster, client: Any) -> None:
