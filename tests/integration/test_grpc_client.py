@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cluster.client import Client, ClientError, Completion
 from cluster.local import LocalCluster
@@ -271,3 +273,43 @@ def test_generate_streams_text_and_fails_clearly(cluster: LocalCluster, client: 
     assert run.returncode == 1 and run.stderr.startswith("error: INVALID_ARGUMENT: ") and "temperature" in run.stderr
     run = _cli("generate", prompt, "--address", "127.0.0.1:9")
     assert run.returncode == 1 and run.stderr.startswith("error: UNAVAILABLE: "), run.stderr
+
+
+# ---- fuzz: whatever a client sends, INVALID_ARGUMENT or an answer, and the cluster stays well
+
+_INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+_FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sampling=st.fixed_dictionaries({}, optional={
+        "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT32, "min_p": _FLOAT, "seed": st.integers(-(2**63), 2**63 - 1),
+        "min_tokens": _INT32, "logprobs": _INT32, "presence_penalty": _FLOAT, "frequency_penalty": _FLOAT,
+        "repetition_penalty": _FLOAT, "stop": st.lists(st.text(max_size=3), max_size=3),
+        "stop_token_ids": st.lists(st.integers(min_value=-5, max_value=2**31 - 1), max_size=3),
+        "ignore_eos": st.booleans(),
+    }),
+    max_tokens=st.integers(min_value=-(2**31), max_value=3),
+    prompt=st.one_of(st.text(max_size=50), st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=20),
+                     st.just(list(range(1, 10_001)))),
+)
+def test_fuzzed_requests_get_invalid_argument_or_an_answer(
+    client: Client, sampling: dict[str, Any], max_tokens: int, prompt: Any
+) -> None:
+    kwargs = {"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
+    start = time.monotonic()
+    try:
+        result = client.generate(**kwargs, max_tokens=max_tokens, **sampling)
+    except ClientError as e:
+        assert e.code == grpc.StatusCode.INVALID_ARGUMENT, (sampling, max_tokens, e)
+        assert "Traceback" not in e.message and "0x" not in e.message
+    else:
+        assert result.finish_reason in ("stop", "length")
+    assert time.monotonic() - start < 60
+
+
+def test_cluster_is_well_after_the_fuzz(cluster: LocalCluster, client: Client) -> None:
+    assert client.generate("The capital of France is", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2  # type: ignore[union-attr]
+    _assert_blocks_return(cluster)
+    assert all(p.popen.poll() is None for p in cluster.processes)
