@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kv_transfer import faults
 from kv_transfer.base import (
     KVLayout,
     KVLayoutMismatch,
@@ -172,12 +174,17 @@ class ReceiveTable:
     def end_chunk(self, header: kv_transfer_pb2.KVChunkHeader, landed: bool) -> None:
         """End the flight begun by `begin_chunk` (which returned a view)."""
         start, end = header.dst_block_start, header.dst_block_start + header.num_blocks
+        corrupt = landed and header.HasField("crc32") and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
         with self._cond:
             incoming = self._incoming.get(header.transfer_id)
             if incoming is None:  # evicted as one of the oldest finished transfers
                 return
             incoming.num_inflight -= 1
-            if landed and incoming.status == TransferStatus.PENDING:
+            if corrupt and incoming.status == TransferStatus.PENDING:
+                logger.error("transfer %r: layer %d blocks [%d, %d) landed corrupted (CRC-32 mismatch); "
+                             "failing the transfer", header.transfer_id, header.layer, start, end)
+                self._finish(header.transfer_id, TransferStatus.FAILED)
+            elif landed and incoming.status == TransferStatus.PENDING:
                 columns = _columns(incoming, start, end)
                 assert columns is not None, "begin_chunk checked the blocks"
                 row = incoming.landed[header.layer, columns]
@@ -323,6 +330,9 @@ def plan_chunks(
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(kv_caches[layer].device))
     chunks = []
+    injected = faults.active()
+    if injected is not None:
+        faults.delay(injected[0])
     for segment in segments:
         start = segment.src_block_start
         payload = kv_caches[layer][start : start + segment.num_blocks]
@@ -333,5 +343,20 @@ def plan_chunks(
             num_blocks=segment.num_blocks,
             num_bytes=payload.numel() * payload.element_size(),
         )
+        if not payload.is_cuda:
+            header.crc32 = chunk_crc32(payload)
+        if injected is not None:
+            spec, rng = injected
+            if rng.random() < spec.drop:
+                faults.INJECTED["drop"] += 1
+                continue
+            if rng.random() < spec.corrupt:
+                faults.INJECTED["corrupt"] += 1
+                payload = faults.corrupted(payload, rng)
         chunks.append(OutgoingChunk(header, payload, ready))
     return chunks
+
+
+def chunk_crc32(blocks: torch.Tensor) -> int:
+    """CRC-32 of a run of blocks in host memory (contiguous: a slice of one layer's cache)."""
+    return zlib.crc32(blocks.contiguous().view(-1).view(torch.uint8).numpy().data)
