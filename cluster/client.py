@@ -27,6 +27,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -102,13 +103,23 @@ class Stream:
 
 class Client:
     """The router's client API. `api_key` is sent as `authorization: Bearer <key>` on every
-    call; `timeout_s` is the default gRPC deadline of each call (None: none)."""
+    call; `timeout_s` is the default gRPC deadline of each call (None: none). `tls_ca`: a
+    PEM file of the CA (or the self-signed certificate) to trust, for a router serving TLS
+    (True: the system's trust store)."""
 
-    def __init__(self, address: str, api_key: str | None = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, address: str, api_key: str | None = None, timeout_s: float | None = None,
+        tls_ca: str | Path | bool | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if tls_ca:
+            roots = None if tls_ca is True else Path(tls_ca).read_bytes()
+            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.GenerationStub(self._channel)
 
     def stream(

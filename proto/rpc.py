@@ -75,11 +75,13 @@ def make_server(
     token: str | None = None,
     max_workers: int = 64,
     api_key: str | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A server bound to `address` ("127.0.0.1:0" picks a port) with health and reflection.
 
     `token`: the cluster token internal calls must carry. `api_key`: the key client calls
     must carry as `authorization: Bearer <key>` metadata (the router's public side).
+    `tls`: (certificate chain PEM, private key PEM): the port speaks TLS only.
     Returns (server, bound port, health servicer). Add the services, then `server.start()`.
     """
     interceptors: list[grpc.ServerInterceptor] = []
@@ -98,7 +100,11 @@ def make_server(
         interceptors=interceptors,
         options=CHANNEL_OPTIONS,
     )
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        cert, key = (path.read_bytes() for path in tls)
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}: is the port taken?")
     health_servicer = health.HealthServicer()

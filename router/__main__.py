@@ -62,10 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     port = config.port if args.port is None else args.port
     # The client API is the public side: no cluster token, the API key when one is configured.
     api_key = config.api_key or os.environ.get(API_KEY_ENV, "")
-    server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation"], api_key=api_key or None)
+    server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation"], api_key=api_key or None,
+                                   tls=config.tls)
+    loopback = bound
+    if config.tls is not None:  # the HTTP front's way in, plaintext, on loopback only
+        loopback = server.add_insecure_port("127.0.0.1:0")
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     server.start()
-    serving = OpenAIServing(RouterBackend(f"127.0.0.1:{bound}", api_key), tokenizer, engine_config.model.model, context_len)
+    serving = OpenAIServing(RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len)
     draining = threading.Event()
     http = _start_http(config, args, serving, servicer, registry, api_key, draining)
     log = logging.getLogger(__name__)
@@ -91,7 +95,7 @@ def _start_http(
 
     app = build_app(serving, api_key, config.max_request_bytes, is_healthy, metrics)
     port = config.http_port if args.http_port is None else args.http_port
-    return HttpServer(app, config.host, port).start()
+    return HttpServer(app, config.host, port, config.tls).start()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.config import build_section
@@ -21,6 +22,10 @@ class RouterConfig:
     # route but /health. Empty: the VLLM_API_KEY environment variable, else no key.
     api_key: str = ""
     max_request_bytes: int = 16 * 1024 * 1024  # larger HTTP bodies get 413
+    # TLS for both client listeners (PEM files; both or neither). The HTTP front then reaches
+    # the gRPC API over an extra plaintext listener on 127.0.0.1.
+    tls_certfile: str = ""
+    tls_keyfile: str = ""
     policy: str = "least_loaded"  # one of POLICIES
     # Prompts with fewer uncached tokens than this skip prefill: decode computes them.
     min_prefill_tokens: int = 64
@@ -46,6 +51,10 @@ class RouterConfig:
     prefix_weight_load: float = 1.0
 
     @property
+    def tls(self) -> tuple[Path, Path] | None:
+        return (Path(self.tls_certfile), Path(self.tls_keyfile)) if self.tls_certfile else None
+
+    @property
     def prefix_weights(self) -> PrefixWeights:
         return PrefixWeights(self.prefix_weight_overlap, self.prefix_weight_usage, self.prefix_weight_load)
 
@@ -57,6 +66,11 @@ class RouterConfig:
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router.{name} must be a TCP port (0 picks a free one)")
+        if bool(self.tls_certfile) != bool(self.tls_keyfile):
+            raise ConfigError("router.tls_certfile and router.tls_keyfile go together: set both or neither")
+        for name in ("tls_certfile", "tls_keyfile"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ConfigError(f"router.{name}: {getattr(self, name)!r} is not a file")
         if self.max_request_bytes < 1024:
             raise ConfigError("router.max_request_bytes must be >= 1024")
         if self.max_queued_requests < 0:
