@@ -68,6 +68,8 @@ class _Process:
     ready_file: Path
     log_file: Path
     info: dict[str, Any] = field(default_factory=dict)
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class LocalCluster:
@@ -194,9 +196,24 @@ class LocalCluster:
             env[API_KEY_ENV] = self.api_key
         with open(log, "wb") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd())
-        process = _Process(name, popen, ready, log)
+        process = _Process(name, popen, ready, log, cmd=cmd, env=env)
         self.processes.append(process)
         return process
+
+    def restart(self, name: str) -> None:
+        """Start a process again with its old command line (after `kill`, or a crash): the
+        router gets its old ports back, so clients reconnect to the same address."""
+        process = self.process(name)
+        if process.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running: kill it first")
+        cmd = list(process.cmd)
+        if name == "router":  # the same ports, so clients' addresses stay valid
+            cmd[cmd.index("--port") + 1] = str(process.info["port"])
+            cmd[cmd.index("--http-port") + 1] = str(process.info["http_port"])
+        process.ready_file.unlink(missing_ok=True)
+        with open(process.log_file, "ab") as out:
+            process.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=process.env, cwd=Path.cwd())
+        self._wait_ready(process)
 
     def _wait_ready(self, process: _Process) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s

@@ -93,3 +93,16 @@ def test_redis_down_then_back(cluster: LocalCluster, client: Client, smollm2: LL
         if all(_ask(client, fresh + f"Fact {i}:")[1] > 0 for i in range(1, 5)):
             return
     raise AssertionError("prefix routing did not recover after Redis came back")
+
+
+def test_router_restart_rebuilds_its_view(cluster: LocalCluster, client: Client) -> None:
+    """The router killed while instances run: a new one on the same address finds the
+    instances (health, load) and the prefix index in Redis, and routes by prefix at once."""
+    text = "A fourth preamble, about deserts, dunes and the winds that shape them. " * 6
+    _ask(client, text + "Fact 0:")
+    _published(1.0)
+    cluster.kill("router")
+    cluster.restart("router")
+    with Client(cluster.router_address, timeout_s=120) as fresh:
+        hits = [_ask(fresh, text + f"Fact {i}:")[1] for i in range(1, 4)]
+    assert all(h > 0 for h in hits), f"the restarted router did not route by the prefix in Redis: {hits}"
