@@ -9,14 +9,12 @@ and the blocks leaked (must be 0).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.local import LocalCluster  # noqa: E402
-from kv_transfer.faults import ENV as FAULTS_ENV  # noqa: E402
 from loadtest.soak import soak  # noqa: E402
 from tests.integration.test_soak import CONFIG, worker_stats  # noqa: E402
 
@@ -25,13 +23,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--faults", default="corrupt=0.05,drop=0.02,delay_ms=2,seed=7")
+    parser.add_argument("--faults", default="corrupt=0.05,drop=0.02,delay_ms=2,seed=7", help="cluster.kv_faults")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    os.environ[FAULTS_ENV] = args.faults
-    cluster = LocalCluster.from_yaml(CONFIG)
+    cluster = LocalCluster.from_yaml(CONFIG, kv_faults=args.faults)
     with cluster:
-        del os.environ[FAULTS_ENV]
         report = soak(cluster.router_address, lambda: worker_stats(cluster), args.requests, args.concurrency, args.seed)
         logs = "".join(p.log_file.read_text(errors="replace") for p in cluster.processes)
     print(f"requests {report.num_requests} in {report.duration_s:.0f} s, concurrency {args.concurrency}, faults {args.faults}")

@@ -47,8 +47,18 @@ class ClusterConfig:
     # when the router routes by prefix (router.policy: prefix_aware).
     redis_url: str = ""
     startup_timeout_s: float = 300.0
+    # KV transport faults the prefill instances inject (tests, soak runs), e.g.
+    # "corrupt=0.05,drop=0.02,delay_ms=2,seed=7"; see kv_transfer/faults.py.
+    kv_faults: str = ""
 
     def validate(self) -> None:
+        if self.kv_faults:
+            from kv_transfer.faults import Faults
+
+            try:
+                Faults.parse(self.kv_faults)
+            except ValueError as e:
+                raise ConfigError(f"cluster.kv_faults: {e}") from e
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ConfigError("cluster: num_decode must be >= 1 and num_prefill >= 0")
         if self.transport not in TRANSPORTS:
@@ -190,6 +200,8 @@ class LocalCluster:
                 cmd += ["--num-threads", str(self.config.num_threads)]
             if self.redis_url:
                 cmd += ["--redis-url", self.redis_url]
+            if self.config.kv_faults and module == "prefill_service":
+                cmd += ["--kv-faults", self.config.kv_faults]
         cmd += extra or []
         env = {**os.environ, TOKEN_ENV: self.token}
         if module == "router":

@@ -1,5 +1,6 @@
-"""Fault injection on the KV wire, for tests and soak runs: off unless the sender's
-environment sets `VLLM_CLUSTER_KV_FAULTS`, e.g. "corrupt=0.2,drop=0.1,delay_ms=50,seed=1".
+"""Fault injection on the KV wire, for tests and soak runs: off unless configured, e.g.
+`configure("corrupt=0.2,drop=0.1,delay_ms=50,seed=1")` (workers: `--kv-faults`; the
+cluster YAML: `cluster.kv_faults`, given to the prefill instances, which send).
 
   corrupt   probability that a chunk's bytes are altered after its checksum is taken
             (the receiver must detect it and fail the transfer)
@@ -12,7 +13,6 @@ Counts of what was injected are kept in `INJECTED`.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-ENV = "VLLM_CLUSTER_KV_FAULTS"
 INJECTED: Counter[str] = Counter()
 
 
@@ -38,30 +37,33 @@ class Faults:
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, _, value = item.partition("=")
             if name not in ("corrupt", "drop", "delay_ms", "seed"):
-                raise ValueError(f"{ENV}: unknown fault {name!r}; use corrupt, drop, delay_ms, seed")
+                raise ValueError(f"kv faults: unknown fault {name!r}; use corrupt, drop, delay_ms, seed")
             values[name] = float(value)
         faults = cls(values.get("corrupt", 0.0), values.get("drop", 0.0), values.get("delay_ms", 0.0),
                      int(values.get("seed", 0)))
         if not (0 <= faults.corrupt <= 1 and 0 <= faults.drop <= 1 and faults.delay_ms >= 0):
-            raise ValueError(f"{ENV}: probabilities must be in [0, 1] and delay_ms >= 0, got {spec!r}")
+            raise ValueError(f"kv faults: probabilities must be in [0, 1] and delay_ms >= 0, got {spec!r}")
         return faults
 
 
 _lock = threading.Lock()
-_state: tuple[str, Faults, random.Random] | None = None
+_state: tuple[Faults, random.Random] | None = None
+
+
+def configure(spec: str) -> None:
+    """Inject the faults `spec` describes from now on ("" : none). Raises ValueError."""
+    global _state
+    with _lock:
+        if not spec:
+            _state = None
+            return
+        faults = Faults.parse(spec)
+        _state = (faults, random.Random(faults.seed))
 
 
 def active() -> tuple[Faults, random.Random] | None:
-    """The configured faults and their RNG, or None when the environment sets none."""
-    global _state
-    spec = os.environ.get(ENV, "")
-    if not spec:
-        return None
-    with _lock:
-        if _state is None or _state[0] != spec:
-            faults = Faults.parse(spec)
-            _state = (spec, faults, random.Random(faults.seed))
-        return _state[1], _state[2]
+    """The configured faults and their RNG, or None (the normal case)."""
+    return _state
 
 
 def corrupted(payload: torch.Tensor, rng: random.Random) -> torch.Tensor:

@@ -18,6 +18,7 @@ from engine.engine_core import EngineCore
 from engine.engine_loop import EngineLoop
 from engine.tokenizer import load_tokenizer
 from kv_index import BlockEventPublisher
+from kv_transfer import faults
 from metrics import InstanceMetrics
 from proto.rpc import TOKEN_ENV, HealthReporter, announce_and_wait, make_server
 
@@ -40,12 +41,15 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, how long requests in flight get to finish")
     parser.add_argument("--stall-timeout-s", type=float, default=120.0,
                         help="health says NOT_SERVING when one engine step runs longer than this")
+    parser.add_argument("--kv-faults", default="",
+                        help='inject KV transport faults when sending, e.g. "corrupt=0.05,drop=0.02" (tests, soak)')
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="written (JSON: port, metrics_port, kv_endpoint, pid) once the server is up")
 
 
 def build_engine(args: argparse.Namespace, role: str) -> tuple[EngineCore, Any]:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
+    faults.configure(args.kv_faults)
     config = EngineConfig.from_yaml(args.config).with_overrides(role=role)
     if args.num_threads is not None:
         config = config.with_overrides(num_threads=args.num_threads)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from cluster.local import LocalCluster
-from kv_transfer.faults import ENV as FAULTS_ENV
 from loadtest.soak import soak
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
@@ -25,13 +24,11 @@ CONFIG = Path(__file__).with_name("soak_cluster.yaml")
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     pytest.importorskip("ucxx")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(FAULTS_ENV, "corrupt=0.05,drop=0.02,delay_ms=2,seed=7")  # read by the prefill senders
-        local = LocalCluster.from_yaml(CONFIG)
-        local.log_dir = tmp_path_factory.mktemp("soak-cluster")
-        local.start()
-    yield local
-    local.stop()
+    local = LocalCluster.from_yaml(CONFIG)  # cluster.kv_faults: the prefill instances inject faults
+    assert local.config.kv_faults
+    local.log_dir = tmp_path_factory.mktemp("soak-cluster")
+    with local:
+        yield local
 
 
 def worker_stats(cluster: LocalCluster) -> dict[str, pb.WorkerStats]:

@@ -218,12 +218,13 @@ def test_corrupted_chunk_fails_the_transfer(backend: str, closing: list[Any], mo
     from kv_transfer import faults
 
     src, dst, sender, receiver = open_pair(backend, closing)
-    monkeypatch.setenv(faults.ENV, "corrupt=1")
+    monkeypatch.setattr(faults, "_state", None)  # restored after the test
+    faults.configure("corrupt=1")
     receiver.expect("corrupt", [0, 1])
     for layer in range(2):
         sender.push_layer(receiver.endpoint, "corrupt", layer, [0, 1], [0, 1])
     assert receiver.wait("corrupt", TIMEOUT_S) == TransferStatus.FAILED
-    monkeypatch.delenv(faults.ENV)
+    faults.configure("")
     receiver.expect("clean", [2, 3])
     for layer in range(2):
         sender.push_layer(receiver.endpoint, "clean", layer, [0, 1], [2, 3])
@@ -235,7 +236,8 @@ def test_dropped_chunk_leaves_the_transfer_pending(backend: str, closing: list[A
     from kv_transfer import faults
 
     src, dst, sender, receiver = open_pair(backend, closing)
-    monkeypatch.setenv(faults.ENV, "drop=1")
+    monkeypatch.setattr(faults, "_state", None)  # restored after the test
+    faults.configure("drop=1")
     receiver.expect("dropped", [0])
     for layer in range(2):
         sender.push_layer(receiver.endpoint, "dropped", layer, [0], [0])
