@@ -29,7 +29,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NoReturn
 
@@ -47,6 +46,7 @@ from proto.rpc import abort as _abort
 from proto.rpc import scrub
 from router.config import RouterConfig
 from router.handoff import Handoff, HandoffState
+from router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
 from router.policy import rank, should_skip_prefill
 from router.registry import Instance, Registry
 
@@ -150,29 +150,29 @@ class RouterServicer(pb_grpc.GenerationServicer):
     ) -> Iterator[pb.GenerateResponse]:
         """Both legs; if the decode instance is lost mid-stream, the rest of the request is
         replayed on another one (prompt + tokens so far) and the client's stream goes on."""
-        progress = _Progress(list(request.prompt_token_ids))
+        progress = Progress(list(request.prompt_token_ids))
         timings = pb.Timings()
         leg = request
         while True:
             try:
                 yield from self._leg(handoff, leg, context, arrival, progress, timings)
                 return
-            except _DecodeLost as lost:
+            except DecodeLost as lost:
                 if progress.migrations >= self._config.max_migrations or not handoff.restart():
                     handoff.abort(f"decode failed: {lost}")
                     abort(context, grpc.StatusCode.UNAVAILABLE, f"the decode instance failed mid-stream: {lost}")
                 progress.migrations += 1
-                progress.pending_text += self._held_back_text(request, progress)
-                leg = _continuation(request, progress)
+                progress.pending_text += held_back_text(self._tokenizer, request, progress)
+                leg = continuation(request, progress)
                 logger.warning("%s: %s; replaying on another decode instance (%d tokens so far, migration %d)",
                                request.request_id, lost, len(progress.token_ids), progress.migrations)
-                if _remaining_tokens(leg) == 0:  # only the last message was lost
+                if remaining_tokens(leg) == 0:  # only the last message was lost
                     yield self._finish_without_decode(request, progress, timings, arrival)
                     return
 
     def _leg(
         self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext, arrival: float,
-        progress: _Progress, timings: pb.Timings,
+        progress: Progress, timings: pb.Timings,
     ) -> Iterator[pb.GenerateResponse]:
         overlap = self._overlap(request)
         decode, reservation = self._reserve(handoff, request, overlap, context)
@@ -200,21 +200,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             with self._room:  # its blocks are free (or about to be): queued requests try again
                 self._room.notify_all()
 
-    def _held_back_text(self, request: pb.WorkerRequest, progress: _Progress) -> str:
-        """Text of tokens already relayed that the lost instance still held back (it might
-        have begun a stop string): sent ahead of the next leg's text."""
-        if self._tokenizer is None or not progress.token_ids:
-            return ""
-        params = request.sampling_params
-        skip = params.skip_special_tokens if params.HasField("skip_special_tokens") else True
-        prompt_text = self._tokenizer.decode(progress.prompt, skip_special_tokens=skip)
-        full = self._tokenizer.decode(progress.prompt + progress.token_ids, skip_special_tokens=skip)
-        generated = full[len(prompt_text):] if full.startswith(prompt_text) else ""
-        sent = progress.text + progress.pending_text
-        return generated[len(sent):] if generated.startswith(sent) else ""
-
     def _finish_without_decode(
-        self, request: pb.WorkerRequest, progress: _Progress, timings: pb.Timings, arrival: float
+        self, request: pb.WorkerRequest, progress: Progress, timings: pb.Timings, arrival: float
     ) -> pb.GenerateResponse:
         timings.migrations = progress.migrations
         timings.total_s = time.monotonic() - arrival
@@ -370,7 +357,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
 
     def _relay(
         self, handoff: Handoff, decode: Instance, call: Any, timings: pb.Timings, arrival: float,
-        context: grpc.ServicerContext, progress: _Progress,
+        context: grpc.ServicerContext, progress: Progress,
     ) -> Iterator[pb.GenerateResponse]:
         first = True
         try:
@@ -406,7 +393,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             if e.code() in _MIGRATABLE:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._registry.mark_unhealthy(decode)
-                raise _DecodeLost(f"{decode.name}: {e.code().name} {e.details()}") from e
+                raise DecodeLost(f"{decode.name}: {e.code().name} {e.details()}") from e
             handoff.abort(f"decode failed: {e.details()}")
             abort(context, e.code(), f"decode failed: {e.details()}")
 
@@ -441,40 +428,6 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequestError("the chat has no messages: send at least one")
             return list(apply_chat_template(self._tokenizer, messages))
         raise InvalidRequestError("the request has no prompt: set text, token_ids or chat")
-
-
-@dataclass
-class _Progress:
-    """What the client has been sent: a request replayed elsewhere continues from here."""
-
-    prompt: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    pending_text: str = ""  # held back by a lost instance; goes out ahead of the next text
-    migrations: int = 0
-
-
-class _DecodeLost(Exception):
-    """The decode leg broke mid-stream in a way another instance can recover from."""
-
-
-def _continuation(request: pb.WorkerRequest, progress: _Progress) -> pb.WorkerRequest:
-    """The rest of `request`: its prompt plus the tokens relayed, the limits reduced by them."""
-    leg = pb.WorkerRequest()
-    leg.CopyFrom(request)
-    leg.request_id = f"{request.request_id}~m{progress.migrations}"  # new on every instance
-    leg.prompt_token_ids.extend(progress.token_ids)
-    params = leg.sampling_params
-    done = len(progress.token_ids)
-    if not params.max_tokens_unlimited:
-        params.max_tokens = max(0, (params.max_tokens if params.HasField("max_tokens") else 16) - done)
-    params.min_tokens = max(0, params.min_tokens - done)
-    return leg
-
-
-def _remaining_tokens(leg: pb.WorkerRequest) -> int | None:
-    params = leg.sampling_params
-    return None if params.max_tokens_unlimited else params.max_tokens
 
 
 def _status_name(context: grpc.ServicerContext) -> str:
