@@ -74,10 +74,34 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    # Ranks are processes: tensor_parallel_size x pipeline_parallel_size of them (one GPU
+    # each on CUDA); engine/parallel/ says how they split the model.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # How long a rank waits inside a step (a collective, a hidden-state transfer) or at
+    # start-up before giving up on another.
+    distributed_timeout_s: float = 300.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"parallel.tensor_parallel_size: {self.tensor_parallel_size} must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"parallel.pipeline_parallel_size: {self.pipeline_parallel_size} must be >= 1")
+        if self.distributed_timeout_s <= 0:
+            raise ConfigError(f"parallel.distributed_timeout_s: {self.distributed_timeout_s} must be > 0")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
     role: str = "colocated"
     # torch intra-op threads; several engine processes share a machine's cores.
@@ -90,23 +114,32 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.parallel.validate()
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: {self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.role not in _ROLES:
             raise ConfigError(f"role: {self.role!r} is not one of {_ROLES}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: {self.num_threads} must be >= 1")
+        if self.parallel.world_size > 1 and self.role != "colocated":
+            raise ConfigError(
+                f"role {self.role!r} runs on one process for now: set tensor_parallel_size and "
+                "pipeline_parallel_size to 1 (only the colocated role and the offline LLM run parallel)"
+            )
+        if self.parallel.world_size > 1 and self.device.startswith("cuda:"):
+            raise ConfigError(
+                f"device {self.device!r}: with tensor/pipeline parallelism use device: cuda (rank r runs on cuda:r)"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
         kwargs: dict[str, Any] = {}
         top = {f.name for f in dataclasses.fields(cls)}
         for key, value in data.items():
             if key not in top:
                 raise ConfigError(f"unknown key {key!r}; valid keys: {sorted(top)}")
-            if key in sections:
-                kwargs[key] = build_section(sections[key], key, value)
+            if key in _SECTIONS:
+                kwargs[key] = build_section(_SECTIONS[key], key, value)
             else:
                 kwargs[key] = value
         config = cls(**kwargs)
@@ -141,12 +174,20 @@ class EngineConfig:
         return EngineConfig.from_dict(_nest(options, dataclasses.asdict(self)))
 
 
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
+
+
 def _nest(options: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     section_of = {}
-    for name, section in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+    for name, section in _SECTIONS.items():
         for f in dataclasses.fields(section):
             section_of[f.name] = name
-    nested: dict[str, Any] = {"model": {}, "cache": {}, "scheduler": {}, **base}
+    nested: dict[str, Any] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}, **base}
     for key, value in options.items():
         if key in section_of:
             nested[section_of[key]] = {**nested[section_of[key]], key: value}

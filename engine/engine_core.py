@@ -1,6 +1,8 @@
 """The engine core every instance runs: requests in, one step at a time, token updates out.
 
 step(): scheduler.schedule() -> model_runner.execute() -> sampler -> scheduler.update_from_output().
+With tensor/pipeline parallelism (config.parallel) a ParallelExecutor runs the step on
+every rank instead (engine/parallel/); scheduling and sampling stay here, on rank 0.
 A bad request is refused in `make_request` with an InvalidRequestError; it never reaches
 the loop, so the engine keeps serving.
 
@@ -30,7 +32,8 @@ from engine.errors import ConfigError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import ModelSource, load_model, resolve
 from engine.model_runner import ModelRunner, kv_cache_block_bytes
-from engine.models import CausalLM
+from engine.models import CausalLM, ModelArchConfig
+from engine.parallel.executor import ParallelExecutor
 from engine.request import Request, RequestId, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -80,10 +83,7 @@ class EngineCore:
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.model.dtype, self.device)
         self.source: ModelSource = resolve(config.model)
-        if model is None:
-            model = load_model(self.source, self.dtype, self.device, config.model.seed)
-        self.model = model
-        arch = self.model.config
+        arch = model.config if model is not None else ModelArchConfig.from_hf_dict(self.source.hf_config)
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_id
         self.max_model_len = max_model_len(config, arch.max_position_embeddings)
@@ -94,9 +94,19 @@ class EngineCore:
                 f"must be >= max_model_len ({self.max_model_len}): raise it, lower max_model_len, "
                 "or enable chunked prefill"
             )
+        # tp x pp > 1: rank 0 (this process) keeps its shard; the executor runs the others.
+        self.executor: ParallelExecutor | None = None
+        if config.parallel.world_size > 1:
+            self.executor = ParallelExecutor.start(config, self.source, self.dtype, self.device, model)
+            assert self.executor.model is not None
+            model = self.executor.model
+        elif model is None:
+            model = load_model(self.source, self.dtype, self.device, config.model.seed)
+        self.model = model
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
         if num_blocks * block_size < self.max_model_len:
+            self.shutdown()
             raise ConfigError(
                 f"the KV cache holds {num_blocks * block_size} tokens, fewer than max_model_len "
                 f"{self.max_model_len}: raise cache.num_blocks / cache.memory_fraction or lower "
@@ -105,9 +115,12 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         graph_batch = 0 if config.enforce_eager else config.scheduler.max_num_seqs
-        self.runner = ModelRunner(
-            self.model, num_blocks, block_size, self.max_model_len, self.device, self.dtype, graph_batch
-        )
+        if self.executor is not None:
+            self.runner = self.executor.start_runner(num_blocks, block_size, self.max_model_len)
+        else:
+            self.runner = ModelRunner(
+                self.model, num_blocks, block_size, self.max_model_len, self.device, self.dtype, graph_batch
+            )
         self.sampler = Sampler()
         self.role = config.role
         self._pushes: dict[RequestId, KVPush] = {}  # prefill role
@@ -119,7 +132,10 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.dtype)
+        if self.executor is not None:
+            block_bytes = self.executor.kv_cache_block_bytes(cache.block_size, self.dtype)
+        else:
+            block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.dtype)
         return max(1, int(_available_memory_bytes(self.device) * cache.memory_fraction) // block_bytes)
 
     def make_request(
@@ -233,7 +249,7 @@ class EngineCore:
                 for push, src_block_ids in pushes:
                     push.push_layer(layer, src_block_ids)
 
-        request_ids, logits = self.runner.execute(scheduler_output, after_layer)
+        request_ids, logits = (self.executor or self.runner).execute(scheduler_output, after_layer)
         requests = [self.scheduler.requests[r] for r in request_ids]
         tokens = self.sampler(logits, requests)
         sampled: dict[RequestId, SampledToken] = dict(zip(request_ids, tokens, strict=True))
@@ -256,6 +272,11 @@ class EngineCore:
             src_block_ids = [int(b) for b in table[push.num_skip_blocks : num_prompt_blocks]]
             pushes.append((push, src_block_ids))
         return pushes
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a parallel engine (idempotent; also runs at exit)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(

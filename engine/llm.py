@@ -41,11 +41,14 @@ class LLM:
         return cls(config.model.model, config=config)
 
     def derive(self, **options: Any) -> LLM:
-        """A new engine over the same weights and tokenizer, with other cache or scheduler
-        options (`llm.derive(num_blocks=64, max_num_batched_tokens=32)`)."""
+        """A new engine over the same weights and tokenizer, with other cache, scheduler or
+        parallel options (`llm.derive(num_blocks=64, max_num_batched_tokens=32)`,
+        `llm.derive(tensor_parallel_size=2)`: the new ranks receive these weights)."""
         config = self.core.config.with_overrides(**options)
         if config.model != self.core.config.model or config.device != self.core.config.device:
-            raise ValueError("derive() keeps the model: change only cache, scheduler or thread options")
+            raise ValueError("derive() keeps the model: change only cache, scheduler, parallel or thread options")
+        if self.core.executor is not None:
+            raise ValueError("derive() needs the whole model: call it on a single-process LLM, not a parallel one")
         llm = object.__new__(LLM)
         llm.core = EngineCore(config, model=self.core.model)
         llm.tokenizer = self.tokenizer

@@ -13,7 +13,7 @@ import torch
 from engine.cuda_graphs import CudaGraphRunner
 from engine.models import CausalLM
 from engine.request import RequestId
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kernels import AttentionMetadata
 from kernels.torch_ops import make_plan
 
@@ -34,16 +34,22 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         cuda_graph_max_batch: int = 0,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
     ) -> None:
+        """`num_layers`, `num_kv_heads`: a parallel rank's share (its stage's layers, its
+        heads); the model's by default."""
         c = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
+        num_layers = c.num_hidden_layers if num_layers is None else num_layers
+        num_kv_heads = c.num_key_value_heads if num_kv_heads is None else num_kv_heads
         # One tensor per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]. Zeroed, so
         # masked-out slots never feed NaN into attention.
-        shape = (num_blocks, 2, block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+        shape = (num_blocks, 2, block_size, num_kv_heads, c.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_tables: dict[RequestId, list[int]] = {}
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
@@ -58,15 +64,9 @@ class ModelRunner:
 
         `after_layer(i)` runs once layer i's KV is written (eager path only: a graph replay
         has no point to stop at between layers)."""
-        for request_id in output.removed_request_ids:
-            self.block_tables.pop(request_id, None)
-        for item in output.scheduled:
-            if item.is_new:
-                self.block_tables[item.request_id] = list(item.new_block_ids)
-            else:
-                self.block_tables[item.request_id].extend(item.new_block_ids)
+        self.update_block_tables(output)
         sample_ids = [item.request_id for item in output.scheduled if item.samples]
-        token_ids, positions, query_start_loc, seq_lens, tables = self._flatten(output)
+        token_ids, positions, query_start_loc, seq_lens, tables = self._flatten(output.scheduled)
         num_seqs = len(seq_lens)
         use_graph = self.graphs is not None and after_layer is None and self.graphs.fits(num_seqs)
         if use_graph and len(token_ids) == num_seqs:
@@ -80,15 +80,35 @@ class ModelRunner:
         last_ids = torch.tensor(last, dtype=torch.long, device=self.device)
         return sample_ids, self.model.compute_logits(hidden[last_ids])
 
+    def update_block_tables(self, output: SchedulerOutput) -> None:
+        for request_id in output.removed_request_ids:
+            self.block_tables.pop(request_id, None)
+        for item in output.scheduled:
+            if item.is_new:
+                self.block_tables[item.request_id] = list(item.new_block_ids)
+            else:
+                self.block_tables[item.request_id].extend(item.new_block_ids)
+
+    def prepare_inputs(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input ids [T], positions [T], attention metadata, the index of each sampling
+        request's last token [N]) for a run of this step's requests, whose block tables
+        are up to date (a parallel stage runs one per micro-batch)."""
+        token_ids, positions, query_start_loc, seq_lens, tables = self._flatten(scheduled)
+        input_ids, pos, meta = self._prepare(token_ids, positions, query_start_loc, seq_lens, tables)
+        last = [query_start_loc[b + 1] - 1 for b, item in enumerate(scheduled) if item.samples]
+        return input_ids, pos, meta, torch.tensor(last, dtype=torch.long, device=self.device)
+
     def _flatten(
-        self, output: SchedulerOutput
+        self, scheduled: list[ScheduledRequest]
     ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
         token_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens = []
         tables = []
-        for item in output.scheduled:
+        for item in scheduled:
             num_new = len(item.token_ids)
             token_ids += item.token_ids
             positions += range(item.num_computed_tokens, item.num_computed_tokens + num_new)

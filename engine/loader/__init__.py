@@ -94,12 +94,7 @@ def _single(directory: Path, pattern: str) -> Path:
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     arch = ModelArchConfig.from_hf_dict(source.hf_config)
-    with torch.device("meta"):
-        model = CausalLM(arch)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()
-    # Buffers (rotary tables) were on meta: rebuild them in place.
-    _rebuild_buffers(model, arch, device)
+    model = build_model(arch, dtype, device)
     try:
         if source.load_format == "dummy":
             _init_dummy(model, seed)
@@ -112,6 +107,18 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, se
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights of {source.path} do not match {arch.architecture}: {e}") from e
     return model.eval()
+
+
+def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model with its weights allocated but not filled (parallel ranks receive them)."""
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    # Cast on meta, then allocate: an fp32 copy of a large model (Mixtral 8x7B) would not fit.
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    # Buffers (rotary tables) were on meta: rebuild them in place.
+    _rebuild_buffers(model, arch, device)
+    return model
 
 
 def _rebuild_buffers(model: CausalLM, arch: ModelArchConfig, device: torch.device) -> None:

@@ -40,6 +40,13 @@ class ModelArchConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
 
+    def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_local_experts "
+                f"({self.num_experts}): fix the model's config"
+            )
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelArchConfig:
         architectures = d.get("architectures") or ["LlamaForCausalLM"]
