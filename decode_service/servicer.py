@@ -125,7 +125,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             elif msg.on_transfer_failure == pb.FAILURE_POLICY_FAIL:
                 error = f"the KV cache of request {request_id!r} did not arrive ({status.name}) within {timeout_s:.1f}s"
                 self._loop.abort(request_id, error)
-                abort(context, grpc.StatusCode.UNAVAILABLE, error)
+                abort(context, grpc.StatusCode.DATA_LOSS, error)  # the router fails the request (policy)
             else:
                 logger.warning("KV of %s did not arrive (%s); computing the prompt here", request_id, status.name)
                 recomputed = True

@@ -60,9 +60,10 @@ def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) ->
 
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 # A decode stream that breaks with these is replayed on another instance (max_migrations):
-# the instance died or restarted (UNAVAILABLE), or its engine step failed (ABORTED).
+# the instance died or restarted (UNAVAILABLE), its engine step failed (ABORTED), or the
+# reservation was gone when Decode came (NOT_FOUND: its lease ran out under load).
 _MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
-               grpc.StatusCode.INTERNAL)
+               grpc.StatusCode.INTERNAL, grpc.StatusCode.NOT_FOUND)
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
@@ -395,6 +396,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     self._registry.mark_unhealthy(decode)
                 raise DecodeLost(f"{decode.name}: {e.code().name} {e.details()}") from e
             handoff.abort(f"decode failed: {e.details()}")
+            if e.code() == grpc.StatusCode.DATA_LOSS:  # KV hand-off failed, policy `fail`
+                abort(context, grpc.StatusCode.UNAVAILABLE, f"the KV hand-off failed: {e.details()}")
             abort(context, e.code(), f"decode failed: {e.details()}")
 
     # ---- helpers
