@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -313,3 +315,21 @@ def test_cluster_is_well_after_the_fuzz(cluster: LocalCluster, client: Client) -
     assert client.generate("The capital of France is", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2  # type: ignore[union-attr]
     _assert_blocks_return(cluster)
     assert all(p.popen.poll() is None for p in cluster.processes)
+
+
+def test_router_sigterm_drains(cluster: LocalCluster, client: Client) -> None:
+    """Last in this module: SIGTERM the router mid-stream; the stream finishes, HTTP /health
+    says 503 while it drains, new calls are refused, and the router exits 0."""
+    router = cluster.process("router")
+    with client.stream("Tell me a story.", max_tokens=30, ignore_eos=True, temperature=0.0) as stream:
+        pieces = iter(stream)
+        next(pieces)
+        router.popen.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(urllib.error.URLError):  # 503 (HTTPError) while draining, or refused after
+            urllib.request.urlopen(cluster.http_address + "/health", timeout=5)
+        with Client(cluster.router_address, api_key=API_KEY, timeout_s=10) as late, pytest.raises(ClientError):
+            late.generate("Hi", max_tokens=2)
+        rest = list(pieces)
+    assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 30
+    assert router.popen.wait(timeout=60) == 0
