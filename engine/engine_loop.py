@@ -268,7 +268,8 @@ class EngineLoop:
                 stop_reason = stop if stop is not None else update.request.stop_reason
                 del self._tracked[request_id]
             outgoing.append((tracked.stream, self._delta(tracked, update.new_token_ids, finish_reason, stop_reason)))
-        self._stats = self.core.stats()  # before any stream ends: its reader may check stats next
+        if any(delta.finish_reason is not None for _, delta in outgoing):
+            self._stats = self.core.stats()  # before a stream ends: its reader may check stats next
         for stream, delta in outgoing:
             stream.put(delta)
 
