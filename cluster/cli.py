@@ -1,6 +1,10 @@
 """The `vllm-cluster` command.
 
-  vllm-cluster serve -f configs/local.yaml              # prefill + decode + router processes here
+  vllm-cluster up -f configs/local.yaml [--detach]      # the cluster on Ray (cluster/up.py)
+  vllm-cluster up -f configs/local.yaml --chat "Hi"     # ... answer one chat message, keep serving
+  vllm-cluster status | logs INSTANCE [--tail N] | down # a cluster `up` started (--name, -f)
+  vllm-cluster worker prefill -f FILE --index 0         # one instance without Ray (containers)
+  vllm-cluster serve -f configs/local.yaml              # plain processes here, no Ray
   vllm-cluster serve -f configs/local.yaml --once "Hi"  # ... answer one chat message, then stop
   vllm-cluster chat --address 127.0.0.1:50051           # talk to a running cluster
   vllm-cluster generate "The capital of France is"      # one completion from a running cluster
@@ -24,15 +28,22 @@ from typing import Any
 
 import yaml
 
+from cluster.cli_args import (
+    SAMPLE_CHAT,
+    add_down_parser,
+    add_status_parsers,
+    add_up_parser,
+    add_worker_parser,
+)
 from cluster.client import Client, ClientError, Completion
 from loadtest.cli import add_bench_parser
 from proto.rpc import API_KEY_ENV
 
-_SAMPLE_CHAT = "What is the capital of France? Answer in one sentence."
-
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in _CLUSTER_COMMANDS:
+        return _CLUSTER_COMMANDS[args.command](args)
     if args.command == "serve":
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return _serve(args)
@@ -47,12 +58,64 @@ def main(argv: list[str] | None = None) -> int:
     return _generate(args)
 
 
+def _up(args: argparse.Namespace) -> int:
+    from cluster.up import up_main
+
+    return up_main(args)
+
+
+def _down(args: argparse.Namespace) -> int:
+    from cluster.down import down_main
+
+    return down_main(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from cluster.status import status_main
+
+    return status_main(args)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from cluster.status import logs_main
+
+    return logs_main(args)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from cluster.instance import worker_main
+
+    return worker_main(args)
+
+
+def _health(args: argparse.Namespace) -> int:
+    """For container healthchecks: 0 when the gRPC server at --address says SERVING."""
+    from proto.rpc import check_health, make_channel
+
+    healthy = check_health(make_channel(args.address), args.service, timeout_s=args.timeout_s)
+    print("SERVING" if healthy else "NOT SERVING")
+    return 0 if healthy else 1
+
+
+_CLUSTER_COMMANDS = {
+    "up": _up, "down": _down, "status": _status, "logs": _logs, "worker": _worker, "health": _health,
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-cluster", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    add_up_parser(sub)
+    add_down_parser(sub)
+    add_status_parsers(sub)
+    add_worker_parser(sub)
+    p = sub.add_parser("health", help="exit 0 when a server's gRPC health says SERVING (container healthchecks)")
+    p.add_argument("--address", required=True, help="host:port of a router, prefill or decode instance")
+    p.add_argument("--service", default="", help="a service name (default: the server as a whole)")
+    p.add_argument("--timeout-s", type=float, default=3.0)
     p = sub.add_parser("serve", help="run a local cluster (prefill, decode, router processes)")
     p.add_argument("--config", "-f", default="configs/local.yaml")
-    p.add_argument("--once", metavar="MESSAGE", nargs="?", const=_SAMPLE_CHAT, default=None,
+    p.add_argument("--once", metavar="MESSAGE", nargs="?", const=SAMPLE_CHAT, default=None,
                    help="send one chat message through the router, print the answer, stop")
     p.add_argument("--max-tokens", type=int, default=64)
     p = sub.add_parser("chat", help="chat with a running cluster (one message per line; /clear, /exit)")
@@ -147,13 +210,9 @@ def _serve(args: argparse.Namespace) -> int:
             for piece in client.stream(chat=[{"role": "user", "content": args.once}], max_tokens=args.max_tokens, temperature=0):
                 print(piece.text, end="", flush=True)
                 result.add(piece)
-        assert result.usage is not None and result.timings is not None
-        t = result.timings
-        print(f"\n[{result.usage.completion_tokens} tokens, finish_reason={result.finish_reason}; "
-              f"ttft {t.ttft_s * 1e3:.0f} ms: router {t.router_s * 1e3:.0f}, prefill queue "
-              f"{t.prefill_queue_s * 1e3:.0f}, prefill compute {t.prefill_compute_s * 1e3:.0f}, "
-              f"transfer {t.transfer_s * 1e3:.0f} ({t.num_kv_blocks_sent} blocks/layer), decode queue "
-              f"{t.decode_queue_s * 1e3:.0f}; total {t.total_s * 1e3:.0f} ms]")
+        from cluster.up import timings_line
+
+        print("\n" + timings_line(result))
     return 0
 
 

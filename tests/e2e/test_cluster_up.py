@@ -1,0 +1,106 @@
+"""`vllm-cluster up --detach` -> a request through the router -> `status` -> `logs` ->
+`down`, as a user runs them: real Ray (a head of its own), real processes, then nothing
+left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.client import Client
+from cluster.procs import ProcessRef, session_members
+from cluster.state import ClusterState
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """\
+engine:
+  model:
+    model: smollm2-135m-instruct
+    dtype: float32
+  cache:
+    num_blocks: 128
+  scheduler:
+    max_num_seqs: 4
+    max_num_batched_tokens: 128
+    max_model_len: 1024
+  device: cpu
+  num_threads: 1
+cluster:
+  name: e2e-up-{pid}
+  num_prefill: 1
+  num_decode: 1
+router:
+  port: 0
+  http_port: 0
+  policy: prefix_aware        # so `up` starts the embedded Redis too
+  min_prefill_tokens: 0       # every request crosses prefill -> decode
+"""
+
+
+def _cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_up_request_status_logs_down(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    pytest.importorskip("ucxx")
+    config = tmp_path / "cluster.yaml"
+    config.write_text(CONFIG.format(pid=os.getpid()))
+    where = ["-f", str(config), "--state-dir", str(tmp_path / "state")]
+    up = _cli("up", *where, "--detach", timeout_s=900)
+    state_file = tmp_path / "state" / f"e2e-up-{os.getpid()}.json"
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        state = ClusterState.load(state_file)
+        assert oct(state_file.stat().st_mode & 0o777) == "0o600"  # it holds the cluster token
+        assert f"curl {state.http_address}/v1/chat/completions" in up.stdout
+        assert [r.name for r in state.processes] == ["redis", "prefill-0", "decode-0", "router"]
+        assert state.ray_head is not None and state.ray_head.alive()
+
+        with Client(state.router_address) as client:
+            result = client.generate("The capital of France is", max_tokens=8, temperature=0)
+        assert result.text.strip() and result.usage is not None and result.usage.completion_tokens == 8
+
+        status = _cli("status", *where, "--json")
+        assert status.returncode == 0, status.stdout + status.stderr
+        rows = {row["name"]: row for row in map(json.loads, status.stdout.splitlines())}
+        for name in ("prefill-0", "decode-0"):
+            assert rows[name]["alive"] and rows[name]["healthy"], rows[name]
+            assert rows[name]["num_running"] == 0 and rows[name]["kv_cache_usage"] is not None
+        assert rows["router"]["healthy"] and rows["redis"]["healthy"]
+
+        logs = _cli("logs", "decode-0", *where, "--tail", "5")
+        assert logs.returncode == 0 and "decode-0" in logs.stdout and len(logs.stdout.splitlines()) <= 5
+        assert _cli("logs", "nobody", *where).returncode == 1
+
+        again = _cli("up", *where, "--detach")
+        assert again.returncode == 1 and "already up" in again.stderr
+
+        state.record("prefill-0").process.signal(signal.SIGKILL)  # a crashed instance shows
+        time.sleep(1.0)
+        status = _cli("status", *where, "--json")
+        rows = {row["name"]: row for row in map(json.loads, status.stdout.splitlines())}
+        assert status.returncode == 1 and not rows["prefill-0"]["alive"] and not rows["prefill-0"]["healthy"]
+        assert rows["decode-0"]["healthy"]
+    finally:
+        down = _cli("down", *where, timeout_s=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "nothing left running" in down.stdout
+    assert not state_file.exists()
+    refs: list[ProcessRef] = [r.process for r in state.processes]
+    assert state.ray_head is not None
+    deadline = time.monotonic() + 10
+    while any(r.alive() for r in [*refs, state.ray_head]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(r.alive() for r in [*refs, state.ray_head])
+    assert session_members(state.ray_head.pid) == []  # the head's GCS, raylet, actors, their children
+    assert _cli("status", *where).returncode == 1
