@@ -1,11 +1,13 @@
 """GPU benchmarks on one H200 (dummy weights, bf16), every figure against a same-run baseline.
 
-    python benchmarks/bench_gpu.py [--quick]
+    python benchmarks/bench_gpu.py [--quick] [--only itl,ttft,throughput] [--compare-sync]
 
 Baselines measured in the same run: the roofline (device-to-device copy bandwidth and a
 bf16 8192^3 matmul rate), HF transformers `generate` (sdpa, default dynamic cache) and, at
 batch 1, HF with `cache_implementation="static"` (compiled decode step). Weights are random
-(no checkpoints can be downloaded here); speed does not depend on their values.
+(no checkpoints can be downloaded here); speed does not depend on their values. Our engine
+runs with async scheduling (its default on CUDA); batch-1 latency is also measured with it
+off (`ours_sync_ms`), and with --compare-sync so is every other figure.
 """
 
 from __future__ import annotations
@@ -56,7 +58,12 @@ def roofline() -> tuple[float, float]:
 def make_llm(preset: str, max_num_seqs: int, num_blocks: int, max_model_len: int, batched: int) -> LLM:
     return LLM(preset, load_format="dummy", device="cuda", dtype="bfloat16", num_blocks=num_blocks,
                block_size=16, max_model_len=max_model_len, max_num_batched_tokens=batched,
-               max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+               max_num_seqs=max_num_seqs, enable_prefix_caching=False, async_scheduling=True)
+
+
+def sync_twin(llm: LLM) -> LLM:
+    """The same engine (same weights) with async scheduling off."""
+    return llm.derive(async_scheduling=False)
 
 
 def make_hf(preset: str) -> Any:
@@ -119,14 +126,22 @@ def batch1_itl(preset: str, hf: Any, copy_bw: float, weight_bytes: int, quick: b
     llm = make_llm(preset, max_num_seqs=8, num_blocks=1024, max_model_len=4096, batched=2048)
     vocab = llm.core.vocab_size
     p = prompts(1, 128, vocab)
-    ours_generate(llm, p, 8)
     n = 256
-    ttft = ours_generate(llm, p, 1)
-    itl = (ours_generate(llm, p, n) - ttft) / (n - 1)
+
+    def itl_of(engine: LLM) -> float:
+        ours_generate(engine, p, 8)
+        ttft = ours_generate(engine, p, 1)
+        return (ours_generate(engine, p, n) - ttft) / (n - 1)
+
+    itl = itl_of(llm)
+    sync_llm = sync_twin(llm)
+    itl_sync = itl_of(sync_llm)
+    del sync_llm
     n_hf = 16 if quick else 32
     hf_generate(hf, p, 2)
     hf_itl = (hf_generate(hf, p, n_hf) - hf_generate(hf, p, 1)) / (n_hf - 1)
     row: dict[str, Any] = dict(bench="batch1_itl", model=preset, ours_ms=round(itl * 1e3, 3),
+                               ours_sync_ms=round(itl_sync * 1e3, 3),
                                hf_dynamic_ms=round(hf_itl * 1e3, 2),
                                roofline_ms=round(weight_bytes / copy_bw * 1e3, 3))
     if not quick:
@@ -137,27 +152,40 @@ def batch1_itl(preset: str, hf: Any, copy_bw: float, weight_bytes: int, quick: b
     torch.cuda.empty_cache()
 
 
-def ttft_2k(preset: str, hf: Any, flops: float, matmul_params: int) -> None:
+def ttft_2k(preset: str, hf: Any, flops: float, matmul_params: int, compare_sync: bool) -> None:
     llm = make_llm(preset, max_num_seqs=8, num_blocks=1024, max_model_len=4096, batched=4096)
     p = prompts(1, 2048, llm.core.vocab_size, seed=1)
     ours_generate(llm, p, 1)
     ours = min(ours_generate(llm, p, 1) for _ in range(3))
+    extra: dict[str, Any] = {}
+    if compare_sync:
+        sync_llm = sync_twin(llm)
+        ours_generate(sync_llm, p, 1)
+        extra["ours_sync_ms"] = round(min(ours_generate(sync_llm, p, 1) for _ in range(3)) * 1e3, 1)
+        del sync_llm
     hf_generate(hf, p, 1)
     theirs = min(hf_generate(hf, p, 1) for _ in range(3))
     record(bench="ttft_2k", model=preset, ours_ms=round(ours * 1e3, 1), hf_ms=round(theirs * 1e3, 1),
-           roofline_ms=round(2 * matmul_params * 2048 / flops * 1e3, 1))
+           roofline_ms=round(2 * matmul_params * 2048 / flops * 1e3, 1), **extra)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def throughput(preset: str, hf: Any, num: int, in_len: int, out_len: int, hf_out_len: int) -> None:
+def throughput(preset: str, hf: Any, num: int, in_len: int, out_len: int, hf_out_len: int,
+               compare_sync: bool) -> None:
     max_len = in_len + out_len
     blocks = num * (-(-max_len // 16)) + 64
     llm = make_llm(preset, max_num_seqs=num, num_blocks=blocks, max_model_len=max_len, batched=8192)
     batch = prompts(num, in_len, llm.core.vocab_size, seed=2)
     ours_generate(llm, batch[:4], 4)
     t = ours_generate(llm, batch, out_len)
+    extra: dict[str, Any] = {}
+    if compare_sync:
+        sync_llm = sync_twin(llm)
+        ours_generate(sync_llm, batch[:4], 4)
+        extra["ours_sync_tok_s"] = round(num * out_len / ours_generate(sync_llm, batch, out_len))
+        del sync_llm
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -166,7 +194,7 @@ def throughput(preset: str, hf: Any, num: int, in_len: int, out_len: int, hf_out
     t_hf = hf_generate(hf, batch, hf_out_len)
     record(bench="throughput", model=preset, num_prompts=num, input_len=in_len, output_len=out_len,
            ours_tok_s=round(num * out_len / t), hf_tok_s=round(num * hf_out_len / t_hf),
-           hf_output_len=hf_out_len)
+           hf_output_len=hf_out_len, **extra)
 
 
 def num_params(preset: str) -> tuple[int, int]:
@@ -186,22 +214,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="skip HF static cache and shrink runs")
     parser.add_argument("--only", default="", help="comma list of: itl,ttft,throughput")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="also measure TTFT and throughput with async scheduling off")
+    parser.add_argument("--presets", default="llama-3.2-1b,llama-3.1-8b")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     copy_bw, flops = roofline()
-    for preset in ("llama-3.2-1b", "llama-3.1-8b"):
+    for preset in args.presets.split(","):
         total, read_bytes = num_params(preset)
         hf = make_hf(preset)
         if not only or "itl" in only:
             batch1_itl(preset, hf, copy_bw, read_bytes, args.quick)
         if preset == "llama-3.1-8b" and (not only or "ttft" in only):
-            ttft_2k(preset, hf, flops, total)
+            ttft_2k(preset, hf, flops, total, args.compare_sync)
         if not only or "throughput" in only:
             if preset == "llama-3.1-8b":
-                throughput(preset, hf, 128, 1024, 128, hf_out_len=128)
-                throughput(preset, hf, 128, 128, 2048, hf_out_len=64)
+                throughput(preset, hf, 128, 1024, 128, 128, args.compare_sync)
+                throughput(preset, hf, 128, 128, 2048, 64, args.compare_sync)
             else:
-                throughput(preset, hf, 256, 128, 2048, hf_out_len=64)
+                throughput(preset, hf, 256, 128, 2048, 64, args.compare_sync)
         del hf
         gc.collect()
         torch.cuda.empty_cache()

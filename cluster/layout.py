@@ -135,6 +135,13 @@ def _check_instance_fits(deployment: Deployment, role: str, resources: Resources
 def check_engine_roles(deployment: Deployment) -> None:
     """Each pool's engine as its workers will build it (the role set, the pool's split): what
     the engine refuses for a role (a split it cannot run yet) is refused here, at the key."""
+    backend = deployment.engine.parallel.distributed_executor_backend
+    if backend != "mp":
+        key = "engine.parallel.distributed_executor_backend"
+        raise deployment.error(key, (
+            f"{key}: {backend!r} is for the offline LLM; an instance's ranks already run in its own "
+            "Ray placement group under `up` (or as processes under `serve` / `worker`): remove the key"
+        ))
     for role in ROLES:
         if deployment.num_instances(role) == 0:
             continue
@@ -160,8 +167,11 @@ def check_model_split(deployment: Deployment) -> None:
             continue
         tp, pp = deployment.parallel_of(role)
         try:
-            check_model(arch, tp, pp)
+            check_model(arch, tp, pp, deployment.engine.parallel.enable_expert_parallel)
         except ConfigError as e:
+            if str(e).startswith("enable_expert_parallel"):
+                key = "engine.parallel.enable_expert_parallel"
+                raise deployment.error(key, f"{key}: {e}", deployment.parallel_key(role, "tensor_parallel_size")) from None
             which = "tensor_parallel_size" if str(e).startswith("tensor") else "pipeline_parallel_size"
             key = deployment.parallel_key(role, which)
             raise deployment.error(key, f"{key}: {e}") from None

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=30.0, help="default reservation lease")
     args = parser.parse_args(argv)
     core, tokenizer = build_engine(args, role="decode")
-    kv_caches = core.runner.kv_caches
+    kv_caches = core.transfer_caches
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
     receiver = make_receiver(args.transport, kv_caches, layout, args.kv_host, args.kv_port)
     servicer: DecodeServicer | None = None

@@ -37,6 +37,7 @@ from proto.convert import (
     sampled_token_from_proto,
     worker_stats_to_proto,
 )
+from proto.lora_admin import load_lora_adapter, unload_lora_adapter
 from proto.rpc import abort
 
 logger = logging.getLogger(__name__)
@@ -157,3 +158,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         stats = self._loop.stats()
         return worker_stats_to_proto(stats, "decode", self._layout.block_size, self._layout.model, self._receiver.endpoint)
+
+    def LoadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+        return load_lora_adapter(self._loop, msg, context)
+
+    def UnloadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+        return unload_lora_adapter(self._loop, msg, context)

@@ -3,6 +3,7 @@
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.errors import ConfigError, EngineError, InvalidRequestError, ModelLoadError
 from engine.llm import LLM
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -15,6 +16,7 @@ __all__ = [
     "EngineError",
     "InvalidRequestError",
     "Logprob",
+    "LoRARequest",
     "ModelConfig",
     "ModelLoadError",
     "RequestOutput",

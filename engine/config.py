@@ -12,10 +12,12 @@ from typing import Any
 import yaml
 
 from engine.errors import ConfigError
+from engine.quantization import METHOD_NAMES
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 _ROLES = ("colocated", "prefill", "decode")
+_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(slots=True)
@@ -28,6 +30,9 @@ class ModelConfig:
     seed: int = 0
     # Overrides for load_format "dummy" (e.g. {"num_hidden_layers": 2}).
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # "int8" (weight-only), "fp8" (W8A8), "gptq", "awq" (INT4 checkpoints); None: the
+    # checkpoint's quantization_config.quant_method, if it declares one (engine/quantization).
+    quantization: str | None = None
 
     def validate(self) -> None:
         if not self.model:
@@ -36,6 +41,10 @@ class ModelConfig:
             raise ConfigError(f"model.load_format: {self.load_format!r} is not one of {_LOAD_FORMATS}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"model.dtype: {self.dtype!r} is not one of {_DTYPES}")
+        if self.quantization is not None and self.quantization not in METHOD_NAMES:
+            raise ConfigError(
+                f"model.quantization: {self.quantization!r} is not one of {list(METHOD_NAMES)} (or null)"
+            )
 
 
 @dataclass(slots=True)
@@ -82,6 +91,16 @@ class ParallelConfig:
     # How long a rank waits inside a step (a collective, a hidden-state transfer) or at
     # start-up before giving up on another.
     distributed_timeout_s: float = 300.0
+    # MoE models: spread each MoE layer's experts over the tensor-parallel ranks (expert-
+    # parallel size = tensor_parallel_size; attention stays tensor-parallel) instead of
+    # every rank holding all of them. vLLM's option of the same name.
+    enable_expert_parallel: bool = False
+    # How ranks 1..N-1 start: "mp", local processes; "ray", Ray actors in one placement
+    # group on this node (cluster/ray_launcher.py; needs the ray package).
+    distributed_executor_backend: str = "mp"
+    # With "ray": the Ray cluster to join ("auto", "host:port"). Unset: RAY_ADDRESS if
+    # set, else a Ray this process is already connected to, else a local one on loopback.
+    ray_address: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -94,6 +113,30 @@ class ParallelConfig:
             raise ConfigError(f"parallel.pipeline_parallel_size: {self.pipeline_parallel_size} must be >= 1")
         if self.distributed_timeout_s <= 0:
             raise ConfigError(f"parallel.distributed_timeout_s: {self.distributed_timeout_s} must be > 0")
+        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"parallel.distributed_executor_backend: {self.distributed_executor_backend!r} is not one of "
+                f"{_EXECUTOR_BACKENDS}"
+            )
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    # Multi-LoRA (vLLM's names): at most max_loras adapters resident at once (LRU-swapped),
+    # each of rank <= max_lora_rank. lora_modules: adapter name -> PEFT directory, loaded
+    # at start-up; more load at run time (LLM.generate's lora_request, the load API).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"lora.max_loras: {self.max_loras} must be >= 1")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"lora.max_lora_rank: {self.max_lora_rank} must be in [1, 512]")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora.lora_modules names adapters but enable_lora is false: set enable_lora: true")
 
 
 @dataclass(slots=True)
@@ -102,6 +145,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = "auto"
     role: str = "colocated"
     # torch intra-op threads; several engine processes share a machine's cores.
@@ -109,22 +153,41 @@ class EngineConfig:
     # On GPU, decode steps replay CUDA graphs captured for batch sizes up to max_num_seqs;
     # True runs every step eagerly (debugging, or to save the capture time).
     enforce_eager: bool = False
+    # Async scheduling: prepare step N+1 on the host while the GPU runs step N
+    # (engine/async_stepper.py). None: on for CUDA on one process outside the prefill role,
+    # off on CPU (where nothing runs ahead of the host, so it cannot pay).
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
+        self.lora.validate()
+        if self.lora.enable_lora and self.parallel.world_size > 1:
+            raise ConfigError(
+                "enable_lora runs on one process for now: set tensor_parallel_size and pipeline_parallel_size to 1"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: {self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.role not in _ROLES:
             raise ConfigError(f"role: {self.role!r} is not one of {_ROLES}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: {self.num_threads} must be >= 1")
-        if self.parallel.world_size > 1 and self.role != "colocated":
+        if self.async_scheduling and (self.role == "prefill" or self.parallel.world_size > 1):
             raise ConfigError(
-                f"role {self.role!r} runs on one process for now: set tensor_parallel_size and "
-                "pipeline_parallel_size to 1 (only the colocated role and the offline LLM run parallel)"
+                "async_scheduling runs on one process outside the prefill role: unset it, or use "
+                "role colocated/decode with tensor_parallel_size and pipeline_parallel_size 1"
+            )
+        if self.parallel.pipeline_parallel_size > 1 and self.role != "colocated":
+            raise ConfigError(
+                f"role {self.role!r} splits by tensor parallelism only: set pipeline_parallel_size "
+                "to 1 (tensor_parallel_size may be > 1; only the colocated role runs pipeline stages)"
+            )
+        if self.parallel.world_size > 1 and self.model.quantization is not None:
+            raise ConfigError(
+                f"model.quantization {self.model.quantization!r} runs on one process for now: set "
+                "tensor_parallel_size and pipeline_parallel_size to 1, or unset quantization"
             )
         if self.parallel.world_size > 1 and self.device.startswith("cuda:"):
             raise ConfigError(
@@ -179,6 +242,7 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -187,7 +251,7 @@ def _nest(options: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     for name, section in _SECTIONS.items():
         for f in dataclasses.fields(section):
             section_of[f.name] = name
-    nested: dict[str, Any] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}, **base}
+    nested: dict[str, Any] = {name: {} for name in _SECTIONS} | base
     for key, value in options.items():
         if key in section_of:
             nested[section_of[key]] = {**nested[section_of[key]], key: value}

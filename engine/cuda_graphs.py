@@ -4,6 +4,11 @@ At start, one graph is captured per batch size in `capture_sizes` (padded up to 
 next size at run time), all sharing one memory pool and one set of static input
 buffers. Padding rows have seq_len 0 and slot -1: attention writes and reads nothing
 for them. The graphs cover the model forward and the logits; sampling runs after.
+
+A step's inputs go up in two copies (ids/positions/slots/seq_lens, block tables) from one
+of two pinned staging buffers, used in turn: with async scheduling the host fills step
+N+1's while step N's copy may still be queued. Placeholder tokens (async scheduling) are
+filled on the device from the previous step's sampled ids before the replay.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from typing import Any
 
 import torch
 
+from engine.device_tokens import PlaceholderFill
 from engine.models import CausalLM
 from kernels import AttentionMetadata
+
+_NUM_ROWS = 6
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -37,16 +45,18 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
         self.max_blocks = max_blocks_per_seq
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        # Rows: input ids, positions, slots, seq lens, placeholder dst, placeholder src.
+        self._inputs = torch.zeros(_NUM_ROWS, max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._inputs[0], self._inputs[1], self._inputs[2]
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # Host staging for one step's inputs: filled in place, copied with one transfer each.
-        self._host_ids = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)
-        self._host_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
-        self._host_tables_np = self._host_tables.numpy()
+        # Two pinned staging sets, used in turn (see the module docstring).
+        self._host_ids = [torch.zeros(_NUM_ROWS, max_batch, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._host_tables = [
+            torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, pin_memory=True) for _ in range(2)
+        ]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -54,6 +64,7 @@ class CudaGraphRunner:
             self._capture(size, pool)
 
     def _forward(self, size: int) -> torch.Tensor:
+        self.seq_lens[:size].copy_(self._inputs[3, :size])  # int64 staging -> the kernels' int32
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
@@ -85,24 +96,34 @@ class CudaGraphRunner:
         slots: list[int],
         tables: list[list[int]],
         seq_lens: list[int],
+        fill: PlaceholderFill | None = None,
     ) -> torch.Tensor:
         """One decode step for len(token_ids) sequences; returns their logits [n, V]."""
         n = len(token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        host = self._host_ids
-        host[:, :size].zero_()
-        host[0, :n] = torch.tensor(token_ids)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :size] = -1
-        host[2, :n] = torch.tensor(slots)
-        host[3, :n] = torch.tensor(seq_lens)
-        rows = self._host_tables_np
+        self._turn ^= 1
+        host_ids, host_tables = self._host_ids[self._turn], self._host_tables[self._turn]
+        host = host_ids.numpy()  # [_NUM_ROWS, max_batch]
+        host[:, n:size] = 0
+        host[2, n:size] = -1
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = token_ids, positions, slots, seq_lens
+        rows = host_tables.numpy()
         for i, table in enumerate(tables):
             rows[i, : len(table)] = table
-        self.input_ids[:size].copy_(host[0, :size], non_blocking=True)
-        self.positions[:size].copy_(host[1, :size], non_blocking=True)
-        self.slot_mapping[:size].copy_(host[2, :size], non_blocking=True)
-        self.seq_lens[:size].copy_(host[3, :size], non_blocking=True)
-        self.block_tables[:n].copy_(self._host_tables[:n], non_blocking=True)
+        if fill is not None and not fill.is_prefix:
+            k = len(fill.dst)
+            host[4, :k], host[5, :k] = fill.dst, fill.src
+        self._inputs.copy_(host_ids, non_blocking=True)
+        self.block_tables[:n].copy_(host_tables[:n], non_blocking=True)
+        if fill is not None:
+            self._fill(fill)
         self.graphs[size].replay()
         return self.logits[size][:n]
+
+    def _fill(self, fill: PlaceholderFill) -> None:
+        k = len(fill.dst)
+        if fill.is_prefix:
+            self.input_ids[:k].copy_(fill.prev.token_ids[:k])
+        else:
+            taken = fill.prev.token_ids.index_select(0, self._inputs[5, :k])
+            self.input_ids.index_copy_(0, self._inputs[4, :k], taken)

@@ -3,6 +3,9 @@
 step(): scheduler.schedule() -> model_runner.execute() -> sampler -> scheduler.update_from_output().
 With tensor/pipeline parallelism (config.parallel) a ParallelExecutor runs the step on
 every rank instead (engine/parallel/); scheduling and sampling stay here, on rank 0.
+With async scheduling (config.async_scheduling, on by default for CUDA) an AsyncStepper
+runs step() instead: step N+1 is scheduled and launched before step N's tokens are applied
+(engine/async_stepper.py).
 A bad request is refused in `make_request` with an InvalidRequestError; it never reaches
 the loop, so the engine keeps serving.
 
@@ -27,13 +30,17 @@ from typing import Protocol
 
 import torch
 
+from engine.async_stepper import AsyncStepper
 from engine.config import EngineConfig
+from engine.device_tokens import DeviceTokens
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import ModelSource, load_model, resolve
+from engine.lora import LoRAAdapterError, LoRAManager, load_adapter, lora_extra_key
 from engine.model_runner import ModelRunner, kv_cache_block_bytes
 from engine.models import CausalLM, ModelArchConfig
 from engine.parallel.executor import ParallelExecutor
+from engine.parallel.topology import check_expert_parallel
 from engine.request import Request, RequestId, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -60,6 +67,9 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_finished: dict[str, int] = field(default_factory=dict)
+    # LoRA adapters loaded here, and those resident in a slot now (the router routes by them).
+    lora_names: tuple[str, ...] = ()
+    lora_resident_names: tuple[str, ...] = ()
 
 
 class KVPush(Protocol):
@@ -83,7 +93,14 @@ class EngineCore:
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.model.dtype, self.device)
         self.source: ModelSource = resolve(config.model)
+        if self.source.quantization is not None and config.parallel.world_size > 1:
+            raise ConfigError(
+                f"the checkpoint is quantized ({self.source.quantization}), which runs on one process "
+                "for now: set tensor_parallel_size and pipeline_parallel_size to 1"
+            )
         arch = model.config if model is not None else ModelArchConfig.from_hf_dict(self.source.hf_config)
+        if config.parallel.enable_expert_parallel:  # refused even where tp = 1 makes it a no-op
+            check_expert_parallel(arch, config.parallel.tensor_parallel_size)
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_id
         self.max_model_len = max_model_len(config, arch.max_position_embeddings)
@@ -113,30 +130,91 @@ class EngineCore:
                 "scheduler.max_model_len"
             )
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
+        use_async = _use_async_scheduling(config, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv, async_scheduling=use_async)
+        self.lora: LoRAManager | None = None
+        if config.lora.enable_lora:  # before the runner: its CUDA graphs capture the LoRA kernels
+            self._start_lora(arch)
         graph_batch = 0 if config.enforce_eager else config.scheduler.max_num_seqs
         if self.executor is not None:
-            self.runner = self.executor.start_runner(num_blocks, block_size, self.max_model_len)
+            self.runner = self.executor.start_runner(
+                num_blocks, block_size, self.max_model_len, self._transfer_mirror
+            )
         else:
             self.runner = ModelRunner(
                 self.model, num_blocks, block_size, self.max_model_len, self.device, self.dtype, graph_batch
             )
         self.sampler = Sampler()
+        self._async = AsyncStepper(self.scheduler, self.sampler, self._run_model) if use_async else None
         self.role = config.role
         self._pushes: dict[RequestId, KVPush] = {}  # prefill role
         self._lease_deadlines: dict[RequestId, float] = {}  # decode role, monotonic seconds
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens",
                     arch.architecture, self.device, self.dtype, num_blocks, block_size)
 
+    def _start_lora(self, arch: ModelArchConfig) -> None:
+        sched = self.config.scheduler
+        max_num_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs)
+        self.lora = LoRAManager(self.config.lora, self.model, self.dtype, self.device, max_num_tokens)
+        self.scheduler.lora_slots = self.lora
+        self._arch = arch
+        for name, path in self.config.lora.lora_modules.items():
+            try:
+                self.add_lora(name, path)
+            except LoRAAdapterError as e:
+                raise ConfigError(f"lora.lora_modules.{name}: {e}") from None
+
+    def add_lora(self, name: str, path: str) -> bool:
+        """Load the PEFT adapter at `path` as `name`; False if it is already loaded from there.
+        Raises LoRAAdapterError (an InvalidRequestError) saying what to change."""
+        if self.lora is None:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: this engine runs without LoRA; start it with enable_lora: true")
+        loaded = self.lora.adapters.get(name)
+        if loaded is not None:
+            if loaded.path != str(path):
+                raise LoRAAdapterError(
+                    f"LoRA adapter {name!r} is already loaded from {loaded.path}: unload it first, or pick another name"
+                )
+            return False
+        self.lora.add(load_adapter(name, path, self._arch, self.lora.max_rank))
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload adapter `name`; False if it was not loaded. Refused while requests use it."""
+        if self.lora is None or name not in self.lora.adapters:
+            return False
+        waiting = [r for r in self.scheduler.requests.values() if r.lora_name == name]
+        if waiting:
+            raise LoRAAdapterError(f"LoRA adapter {name!r} is in use by {len(waiting)} requests: retry when they finish")
+        self.lora.remove(name)
+        return True
+
+    def list_loras(self) -> list[str]:
+        return [] if self.lora is None else sorted(self.lora.adapters)
+
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.executor is not None:
-            block_bytes = self.executor.kv_cache_block_bytes(cache.block_size, self.dtype)
+            block_bytes = self.executor.kv_cache_block_bytes(cache.block_size, self.dtype, self._transfer_mirror)
         else:
             block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.dtype)
         return max(1, int(_available_memory_bytes(self.device) * cache.memory_fraction) // block_bytes)
+
+    @property
+    def _transfer_mirror(self) -> bool:
+        """A tensor-parallel prefill/decode instance: rank 0 keeps full-head KV for transfers."""
+        return self.executor is not None and self.config.role != "colocated"
+
+    @property
+    def transfer_caches(self) -> list[torch.Tensor]:
+        """The KV caches a transfer reads (prefill) or writes (decode): every KV head of every
+        layer, as one process holds them; with tp > 1, rank 0's mirror (engine/parallel/kv_mirror.py)."""
+        if self._transfer_mirror:
+            assert self.executor is not None
+            return self.executor.transfer_caches
+        return self.runner.kv_caches
 
     def make_request(
         self,
@@ -144,8 +222,16 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         extra_keys: tuple[str, ...] = (),
+        lora_name: str | None = None,
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError with what to change."""
+        if lora_name is not None:
+            if lora_name not in self.list_loras():
+                raise InvalidRequestError(
+                    f"LoRA adapter {lora_name!r} is not loaded: load it first (lora_modules, or LoRARequest with its path)"
+                )
+            if lora_extra_key(lora_name) not in extra_keys:
+                extra_keys = (*extra_keys, lora_extra_key(lora_name))
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty; send at least one token")
@@ -172,6 +258,7 @@ class EngineCore:
             eos_token_id=self.eos_token_id,
             max_tokens=max_tokens,
             extra_keys=extra_keys,
+            lora_name=lora_name,
         )
 
     def add_request(self, request: Request, kv_push: KVPush | None = None) -> None:
@@ -181,11 +268,18 @@ class EngineCore:
             request.max_tokens = 1
             self._pushes[request.request_id] = kv_push
         self.scheduler.add_request(request)
+        if self._async is not None:
+            self._async.track(request)
 
     def reserve(self, request: Request, lease_s: float) -> list[int] | None:
         """Decode role: the prompt's block ids (cached ones first), or None when they don't fit."""
         assert self.role == "decode", "reserve() is for the decode role"
         self._check_new_id(request)
+        if self._async is not None:
+            # Blocks freed under the step in flight may be handed out here, and the KV
+            # transfer writes them from outside the step's stream.
+            self._async.wait_device()
+            self._async.track(request)
         if not self.scheduler.reserve(request):
             return None
         self._lease_deadlines[request.request_id] = time.monotonic() + lease_s
@@ -202,6 +296,11 @@ class EngineCore:
         rid = RequestId(request_id)
         self._lease_deadlines.pop(rid, None)
         request = self.scheduler.transferring[rid]
+        if first_token is not None and self._transfer_mirror:
+            assert self.executor is not None
+            block_size = self.kv.block_size
+            landed = self.kv.get_block_table(rid)[request.num_cached_tokens // block_size : -(-request.num_prompt_tokens // block_size)]
+            self.executor.scatter_kv([int(b) for b in landed])
         if first_token is not None and request.generator is not None and not request.sampling_params.is_greedy:
             # The prefill drew this token's sampling noise; keep the seeded stream aligned.
             torch.empty(self.vocab_size).exponential_(generator=request.generator)
@@ -236,20 +335,30 @@ class EngineCore:
             request.stop_reason = stop
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self._async is not None and self._async.busy)
 
     def step(self) -> list[RequestUpdate]:
+        if self._async is not None:
+            return self._async.step()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         pushes = self._layer_pushes(scheduler_output) if self._pushes else []
-        after_layer = None
-        if pushes:
-            def after_layer(layer: int) -> None:
-                for push, src_block_ids in pushes:
-                    push.push_layer(layer, src_block_ids)
+        if self.lora is not None:
+            self.lora.prepare_step(scheduler_output.scheduled)
 
-        request_ids, logits = (self.executor or self.runner).execute(scheduler_output, after_layer)
+        def push_layer(layer: int) -> None:
+            for push, src_block_ids in pushes:
+                push.push_layer(layer, src_block_ids)
+
+        if self.executor is None:
+            request_ids, logits = self.runner.execute(scheduler_output, push_layer if pushes else None)
+        else:
+            request_ids, logits = self.executor.execute(scheduler_output)
+            if pushes:  # tp > 1: the whole step, then every rank's heads to rank 0, then the pushes
+                self.executor.gather_kv(sorted({b for _, ids in pushes for b in ids}))
+                for layer in range(len(self.transfer_caches)):
+                    push_layer(layer)
         requests = [self.scheduler.requests[r] for r in request_ids]
         tokens = self.sampler(logits, requests)
         sampled: dict[RequestId, SampledToken] = dict(zip(request_ids, tokens, strict=True))
@@ -257,6 +366,14 @@ class EngineCore:
         for push, _ in pushes:
             push.finish()  # before any later step can reuse the freed blocks
         return updates
+
+    def _run_model(
+        self, output: SchedulerOutput, prev_tokens: DeviceTokens | None
+    ) -> tuple[list[RequestId], torch.Tensor]:
+        """Async scheduling's model step (one process, no KV pushes)."""
+        if self.lora is not None:
+            self.lora.prepare_step(output.scheduled)
+        return self.runner.execute(output, None, prev_tokens)
 
     def _layer_pushes(self, output: SchedulerOutput) -> list[tuple[KVPush, list[int]]]:
         """The prefill requests whose prompt completes this step, with the blocks to push."""
@@ -292,7 +409,16 @@ class EngineCore:
             num_prompt_tokens=self.scheduler.num_prompt_tokens,
             num_generation_tokens=self.scheduler.num_generation_tokens,
             num_finished=dict(self.scheduler.num_finished),
+            lora_names=tuple(self.list_loras()),
+            lora_resident_names=tuple(self.lora.resident_names) if self.lora is not None else (),
         )
+
+
+def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    # On CPU every op runs when called: nothing to overlap with.
+    return device.type == "cuda" and config.role != "prefill" and config.parallel.world_size == 1
 
 
 def _resolve_device(name: str) -> torch.device:

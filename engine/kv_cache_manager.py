@@ -67,6 +67,13 @@ class KVCacheManager:
 
         `cache=False` leaves the new full blocks out of the prefix cache for now: a decode
         reservation's blocks hold nothing until the prefill's KV lands in them."""
+        table = self.block_tables.get(request.request_id)
+        if table and not new_computed_blocks:  # a running request: often no new block at all
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(table) * self.block_size:
+                if cache:
+                    self._cache_full_blocks(request, num_tokens)
+                return True
         new_computed_blocks = new_computed_blocks or []
         table = self.block_tables.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size

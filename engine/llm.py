@@ -18,6 +18,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.errors import InvalidRequestError
+from engine.lora import LoRARequest
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -47,6 +48,8 @@ class LLM:
         config = self.core.config.with_overrides(**options)
         if config.model != self.core.config.model or config.device != self.core.config.device:
             raise ValueError("derive() keeps the model: change only cache, scheduler, parallel or thread options")
+        if self.core.config.lora.enable_lora or config.lora.enable_lora:
+            raise ValueError("derive() shares the model, which LoRA wraps: build a new LLM(..., enable_lora=True)")
         if self.core.executor is not None:
             raise ValueError("derive() needs the whole model: call it on a single-process LLM, not a parallel one")
         llm = object.__new__(LLM)
@@ -60,17 +63,20 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         token_lists = [self._tokenize(p) for p in prompt_list]
-        return self._run(prompt_list, token_lists, params_list, use_tqdm)
+        return self._run(prompt_list, token_lists, params_list, use_tqdm, self._loras(lora_request, len(prompt_list)))
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
@@ -78,7 +84,16 @@ class LLM:
         token_lists = [apply_chat_template(tokenizer, list(c)) for c in conversations]  # type: ignore[arg-type]
         prompts = [tokenizer.decode(ids) for ids in token_lists]
         params_list = _as_params_list(sampling_params, len(token_lists))
-        return self._run(prompts, token_lists, params_list, use_tqdm)
+        return self._run(prompts, token_lists, params_list, use_tqdm, self._loras(lora_request, len(token_lists)))
+
+    def _loras(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[str | None]:
+        """The adapter name of each prompt, loading adapters not loaded yet."""
+        requests = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * n
+        if len(requests) != n:
+            raise InvalidRequestError(f"got {len(requests)} LoRA requests for {n} prompts: pass one, or one per prompt")
+        for request in {r for r in requests if r is not None}:
+            self.core.add_lora(request.lora_name, request.lora_path)
+        return [None if r is None else r.lora_name for r in requests]
 
     def _run(
         self,
@@ -86,13 +101,16 @@ class LLM:
         token_lists: list[list[int]],
         params_list: list[SamplingParams],
         use_tqdm: bool,
+        lora_names: list[str | None],
     ) -> list[RequestOutput]:
         # Validate everything before adding anything: a bad prompt fails the call, not the engine.
         batch: list[tuple[RequestOutput, list[Request]]] = []
-        for prompt, token_ids, params in zip(prompts, token_lists, params_list, strict=True):
+        for prompt, token_ids, params, lora in zip(prompts, token_lists, params_list, lora_names, strict=True):
             parent_id = str(next(self._ids))
             children = [
-                self.core.make_request(f"{parent_id}-{i}" if params.n > 1 else parent_id, token_ids, _child_params(params, i))
+                self.core.make_request(
+                    f"{parent_id}-{i}" if params.n > 1 else parent_id, token_ids, _child_params(params, i), lora_name=lora
+                )
                 for i in range(params.n)
             ]
             text = prompt if isinstance(prompt, str) else None

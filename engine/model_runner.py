@@ -11,9 +11,10 @@ from collections.abc import Callable
 import torch
 
 from engine.cuda_graphs import CudaGraphRunner
+from engine.device_tokens import DeviceTokens, PlaceholderFill
 from engine.models import CausalLM
 from engine.request import RequestId
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from kernels import AttentionMetadata
 from kernels.torch_ops import make_plan
 
@@ -58,26 +59,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, output: SchedulerOutput, after_layer: Callable[[int], None] | None = None
+        self,
+        output: SchedulerOutput,
+        after_layer: Callable[[int], None] | None = None,
+        prev_tokens: DeviceTokens | None = None,
     ) -> tuple[list[RequestId], torch.Tensor]:
         """Returns (ids of the requests that sample, their logits [N, V]).
 
         `after_layer(i)` runs once layer i's KV is written (eager path only: a graph replay
-        has no point to stop at between layers)."""
+        has no point to stop at between layers). `prev_tokens`: the previous step's sampled
+        ids, still on the device, for this step's placeholder tokens (async scheduling)."""
         self.update_block_tables(output)
         sample_ids = [item.request_id for item in output.scheduled if item.samples]
         token_ids, positions, query_start_loc, seq_lens, tables = self._flatten(output.scheduled)
+        fill = _placeholder_fill(output.scheduled, query_start_loc, prev_tokens)
         num_seqs = len(seq_lens)
         use_graph = self.graphs is not None and after_layer is None and self.graphs.fits(num_seqs)
         if use_graph and len(token_ids) == num_seqs:
             assert self.graphs is not None
             # Decode-only: every sequence has one new token, and every one samples.
             slots = [t[p // self.block_size] * self.block_size + p % self.block_size for t, p in zip(tables, positions, strict=True)]
-            return sample_ids, self.graphs.run(token_ids, positions, slots, tables, seq_lens)
+            return sample_ids, self.graphs.run(token_ids, positions, slots, tables, seq_lens, fill)
         input_ids, pos, meta = self._prepare(token_ids, positions, query_start_loc, seq_lens, tables)
+        if fill is not None:
+            dst, src = (torch.tensor(x).to(self.device, non_blocking=True) for x in (fill.dst, fill.src))
+            input_ids[dst] = fill.prev.token_ids[src]
         hidden = self.model(input_ids, pos, self.kv_caches, meta, after_layer)  # [T, D]
         last = [query_start_loc[b + 1] - 1 for b, item in enumerate(output.scheduled) if item.samples]
-        last_ids = torch.tensor(last, dtype=torch.long, device=self.device)
+        # Built on the host, then copied without waiting: a step in flight keeps running.
+        last_ids = torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True)
         return sample_ids, self.model.compute_logits(hidden[last_ids])
 
     def update_block_tables(self, output: SchedulerOutput) -> None:
@@ -143,3 +153,20 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos.to(self.device, non_blocking=True), meta
+
+
+def _placeholder_fill(
+    scheduled: list[ScheduledRequest], query_start_loc: list[int], prev: DeviceTokens | None
+) -> PlaceholderFill | None:
+    """Async scheduling: which inputs are tokens the previous step sampled (only a request's
+    last scheduled token can be one), and their rows in `prev`."""
+    dst: list[int] = []
+    src: list[int] = []
+    for b, item in enumerate(scheduled):
+        if item.token_ids and item.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            assert prev is not None and item.request_id in prev.rows, (
+                f"request {item.request_id} has a placeholder token but no step in flight sampled it"
+            )
+            dst.append(query_start_loc[b + 1] - 1)
+            src.append(prev.rows[item.request_id])
+    return PlaceholderFill(dst, src, prev) if prev is not None and dst else None

@@ -64,12 +64,16 @@ class Request:
     eos_token_id: int | None
     max_tokens: int  # resolved: never past max_model_len
     extra_keys: tuple[str, ...] = ()  # tenant salt, LoRA id: part of every block hash
+    lora_name: str | None = None  # the LoRA adapter it runs under; None: the base model
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling: tokens that launched steps are sampling, not yet in output_token_ids
+    # (their positions already count in num_computed_tokens once scheduled past them).
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
     num_preemptions: int = 0
     stop_reason: int | str | None = None

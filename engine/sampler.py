@@ -4,6 +4,10 @@ Order: penalties -> min_tokens masking -> (greedy argmax) | (temperature -> top-
 top-p -> min-p -> sample). Logprobs are those of the raw model distribution, as vLLM
 reports them by default. A request with a seed draws from its own generator, so its
 tokens do not depend on what else is in the batch.
+
+`token_ids` queues the sampling on the device and never waits for it (async scheduling
+fetches the ids a step later); `__call__` also fetches them and adds logprobs. Host-side
+values reach the device through pinned memory, without a synchronising copy.
 """
 
 from __future__ import annotations
@@ -19,20 +23,10 @@ _NEG_INF = float("-inf")
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         # logits: [N, V], one row per request
-        if all(_is_plain_greedy(r) for r in requests):
-            return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
-        logits = logits.float()
-        raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties_and_masks(logits, requests)
-        token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            sampled = self._sample(logits[rows], [requests[i] for i in random_rows])
-            token_ids[rows] = sampled
-        token_list = token_ids.tolist()  # the step's one device-to-host sync
+        token_list = self.token_ids(logits, requests).tolist()  # the step's one device-to-host sync
+        if all(r.sampling_params.logprobs is None for r in requests):
+            return [SampledToken(t, None) for t in token_list]
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         out = []
         for i, request in enumerate(requests):
             token_id = token_list[i]
@@ -42,12 +36,25 @@ class Sampler:
             out.append(SampledToken(token_id, logprobs))
         return out
 
+    def token_ids(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The next token of each request, [N] long on the logits' device; nothing waits."""
+        # logits: [N, V]
+        if all(_is_plain_greedy(r) for r in requests):
+            return logits.argmax(dim=-1)
+        logits = self._apply_penalties_and_masks(logits.float(), requests)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if random_rows:
+            rows = _to_device(torch.tensor(random_rows), logits.device)
+            token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
+        return token_ids
+
     @staticmethod
     def _apply_penalties_and_masks(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         cloned = False
         for i, request in enumerate(requests):
             params = request.sampling_params
-            needs_min_tokens = request.num_output_tokens < params.min_tokens
+            needs_min_tokens = _num_outputs_before(request) < params.min_tokens
             if not (params.has_penalties or needs_min_tokens):
                 continue
             if not cloned:
@@ -60,22 +67,21 @@ class Sampler:
                 if request.eos_token_id is not None and not params.ignore_eos:
                     banned.append(request.eos_token_id)
                 if banned:
-                    row[torch.tensor(banned, device=row.device)] = _NEG_INF
+                    row[_to_device(torch.tensor(banned), row.device)] = _NEG_INF
         return logits
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # logits: [R, V] -> token ids [R]
         params = [r.sampling_params for r in requests]
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        logits = logits / temperature
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        logits = _top_k_top_p(logits, top_k, top_p)
+        vocab_size = logits.shape[1]
+        # One host tensor, one copy: [4, R] = temperature, top_k, top_p, min_p.
+        values = torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab_size, p.top_p, p.min_p] for p in params])
+        temperature, top_k, top_p, min_p = _to_device(values.T.contiguous(), logits.device)
+        logits = logits / temperature.unsqueeze(1)
+        logits = _top_k_top_p(logits, top_k.long(), top_p)
         probs = torch.softmax(logits, dim=-1)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
             keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, 0.0)
         # Exponential race (Gumbel-max in disguise): argmax(p / E) samples from p. The noise
@@ -83,7 +89,19 @@ class Sampler:
         noise = torch.empty(probs.shape)
         for i, request in enumerate(requests):
             noise[i].exponential_(generator=request.generator)
-        return (probs / noise.to(device)).argmax(dim=-1)
+        return (probs / _to_device(noise, logits.device)).argmax(dim=-1)
+
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the work queued there."""
+    if device.type == "cpu":
+        return values
+    return values.pin_memory().to(device, non_blocking=True)
+
+
+def _num_outputs_before(request: Request) -> int:
+    """Output tokens before the one sampled now (async scheduling: some still in flight)."""
+    return request.num_output_tokens + request.num_pending_tokens
 
 
 def _is_plain_greedy(request: Request) -> bool:
@@ -92,7 +110,7 @@ def _is_plain_greedy(request: Request) -> bool:
         params.is_greedy
         and params.logprobs is None
         and not params.has_penalties
-        and request.num_output_tokens >= params.min_tokens
+        and _num_outputs_before(request) >= params.min_tokens
     )
 
 

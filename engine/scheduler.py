@@ -20,12 +20,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.block_pool import BlockId
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus, TokenLogprobs
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +44,25 @@ class RequestUpdate:
     finished: bool
 
 
+class LoRASlots(Protocol):
+    """Resident LoRA adapter slots (engine/lora/manager.py): a request holds one while it runs."""
+
+    def acquire(self, request_id: RequestId, name: str) -> bool: ...
+
+    def release(self, request_id: RequestId) -> None: ...
+
+    def slot_of(self, request_id: RequestId) -> int: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, max_model_len: int, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, max_model_len: int, kv: KVCacheManager, async_scheduling: bool = False
+    ) -> None:
         self.config = config
+        # Async scheduling (engine/async_stepper.py): a step is scheduled while the previous
+        # one still runs, so `schedule` counts its tokens computed at once and a token still
+        # being sampled is a placeholder (request.num_pending_tokens).
+        self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
         self.kv = kv
         self.requests: dict[RequestId, Request] = {}
@@ -53,6 +70,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._removed: set[RequestId] = set()
         self.transferring: dict[RequestId, Request] = {}  # decode role: reserved, KV in flight
+        # Set with enable_lora: a request whose adapter gets no slot waits, and others pass it.
+        self.lora_slots: LoRASlots | None = None
         # Since start, for stats: preemptions, prompts computed here, tokens sampled here,
         # finished requests per finish reason.
         self.num_preemptions = 0
@@ -121,7 +140,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_tokens + request.num_pending_tokens >= request.max_tokens:
+                i += 1  # async: its last token is being sampled; it finishes when that lands
+                continue
+            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             assert num_new > 0
             while not self.kv.allocate_slots(request, num_new):
                 preempted = True
@@ -136,10 +158,16 @@ class Scheduler:
                 continue
             break
         # Admitting new work right after a preemption would only thrash.
+        no_lora_slot: list[Request] = []
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.num_pending_tokens:  # async: preempted with a token in flight; next step
+                break
+            if not self._acquire_lora(request):
+                no_lora_slot.append(self.waiting.popleft())
+                continue
             landed = request.num_computed_tokens > 0  # decode role: its KV came from prefill
             computed_blocks: list[BlockId]
             if landed:
@@ -148,9 +176,11 @@ class Scheduler:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
+                self._release_lora(request)
                 break
             num_new = min(num_new, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                self._release_lora(request)
                 break
             self.waiting.popleft()
             if self.kv.enable_caching and not landed:
@@ -164,12 +194,26 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new, is_new=True))
             budget -= num_new
+        self.waiting.extendleft(reversed(no_lora_slot))
+        if self.async_scheduling:
+            for item in scheduled:
+                self.requests[item.request_id].num_computed_tokens += len(item.token_ids)
         removed, self._removed = frozenset(self._removed), set()
         return SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             removed_request_ids=removed,
         )
+
+    def _acquire_lora(self, request: Request) -> bool:
+        if request.lora_name is None:
+            return True
+        assert self.lora_slots is not None, "a LoRA request reached an engine without enable_lora"
+        return self.lora_slots.acquire(request.request_id, request.lora_name)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_name is not None and self.lora_slots is not None:
+            self.lora_slots.release(request.request_id)
 
     def _scheduled(self, request: Request, num_new: int, is_new: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -179,17 +223,23 @@ class Scheduler:
         else:
             num_old_blocks = -(-start // self.kv.block_size)
             new_block_ids = table[num_old_blocks:]
+        end, num_known = start + num_new, request.num_tokens
+        token_ids = request.token_slice(start, min(end, num_known))
+        if end > num_known:  # async: tokens still being sampled by the step in flight
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (end - num_known)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
+            token_ids=token_ids,
             num_computed_tokens=start,
             new_block_ids=new_block_ids,
             is_new=is_new,
-            samples=start + num_new == request.num_tokens,
+            samples=end == num_known + request.num_pending_tokens,
+            lora_slot=-1 if self.lora_slots is None else self.lora_slots.slot_of(request.request_id),
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        self._release_lora(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -205,9 +255,12 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None:  # finished (aborted) while its step ran
                 continue
-            request.num_computed_tokens += len(item.token_ids)
+            if not self.async_scheduling:  # async: counted when scheduled
+                request.num_computed_tokens += len(item.token_ids)
             if not item.samples:
                 continue
+            if self.async_scheduling:
+                request.num_pending_tokens -= 1
             token = sampled[item.request_id]
             if request.num_output_tokens == 0:  # its prompt was computed here (not landed)
                 self.num_prompt_tokens += request.num_prompt_tokens
@@ -219,6 +272,12 @@ class Scheduler:
                 self.finish(request.request_id, status)
             updates.append(RequestUpdate(request, [token.token_id], status is not None))
         return updates
+
+    def sampling_launched(self, output: SchedulerOutput) -> None:
+        """Async: the step's sampling is queued; its tokens are pending until update_from_output."""
+        for item in output.scheduled:
+            if item.samples:
+                self.requests[item.request_id].num_pending_tokens += 1
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -247,6 +306,7 @@ class Scheduler:
         self.transferring.pop(request_id, None)
         request.status = status
         self.kv.free(request)
+        self._release_lora(request)
         reason = status.finish_reason
         assert reason is not None
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from engine.block_pool import BlockId
 from engine.request import RequestId
 
+# Async scheduling: a token that the step in flight is still sampling. The model runner
+# fills it in on the device from that step's sampled ids.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
@@ -18,6 +22,7 @@ class ScheduledRequest:
     new_block_ids: list[BlockId]
     is_new: bool
     samples: bool  # every known token is computed after this step: sample the next one
+    lora_slot: int = -1  # the resident slot of the request's LoRA adapter; -1: the base model
 
 
 @dataclass(frozen=True, slots=True)

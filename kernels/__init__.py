@@ -15,6 +15,7 @@ from kernels.metadata import AttentionMetadata
 __all__ = [
     "AttentionMetadata",
     "fused_add_rms_norm",
+    "int4_gemm",
     "paged_attention",
     "rotary_embedding",
     "silu_and_mul",
@@ -90,3 +91,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     from kernels import triton_ops
 
     return triton_ops.silu_and_mul(x)
+
+
+def int4_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    layout: str,
+    zero_offset: int,
+) -> torch.Tensor:
+    """x [M, K] @ a GPTQ/AWQ INT4 weight [K, N] -> [M, N] (kernels/int4_reference.py has the
+    layouts); g_idx None: groups of `group_size` consecutive inputs."""
+    if not x.is_cuda:
+        from kernels import int4_reference
+
+        return int4_reference.int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset)
+    from kernels import triton_int4_gemm
+
+    return triton_int4_gemm.int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset)

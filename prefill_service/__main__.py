@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     args = parser.parse_args(argv)
     core, _ = build_engine(args, role="prefill")
-    kv_caches = core.runner.kv_caches
+    kv_caches = core.transfer_caches
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
     sender = make_sender(args.transport, kv_caches, layout, args.name)
     loop = EngineLoop(core, tokenizer=None, stall_timeout_s=args.stall_timeout_s)  # prefill only samples one token

@@ -26,6 +26,7 @@ from prefill_service.push import ReservationPush
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import first_token_to_proto, request_from_proto, worker_stats_to_proto
+from proto.lora_admin import load_lora_adapter, unload_lora_adapter
 from proto.rpc import abort
 
 _STATUS = {TransferStatus.DONE: pb.TRANSFER_DONE, None: pb.TRANSFER_SKIPPED}
@@ -106,6 +107,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         stats = self._loop.stats()
         return worker_stats_to_proto(stats, "prefill", self._layout.block_size, self._layout.model, "")
+
+    def LoadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+        return load_lora_adapter(self._loop, msg, context)
+
+    def UnloadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+        return unload_lora_adapter(self._loop, msg, context)
 
 
 def _block_bytes(layout: KVLayout) -> int:

@@ -49,6 +49,16 @@ class GenerationStub:
                 request_serializer=proto_dot_cluster__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=proto_dot_cluster__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/vllm_cluster.Generation/LoadLoRAAdapter',
+                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/vllm_cluster.Generation/UnloadLoRAAdapter',
+                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -72,6 +82,19 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Load or unload a LoRA adapter on every instance (vLLM's /v1/load_lora_adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +112,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=proto_dot_cluster__pb2.ListModelsRequest.FromString,
                     response_serializer=proto_dot_cluster__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +215,60 @@ class Generation:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.Generation/LoadLoRAAdapter',
+            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.Generation/UnloadLoRAAdapter',
+            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -212,6 +299,16 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_cluster__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_cluster__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/vllm_cluster.DecodeWorker/LoadLoRAAdapter',
+                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/vllm_cluster.DecodeWorker/UnloadLoRAAdapter',
+                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -241,6 +338,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +372,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_cluster__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_cluster__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -383,6 +502,60 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.DecodeWorker/LoadLoRAAdapter',
+            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.DecodeWorker/UnloadLoRAAdapter',
+            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -408,6 +581,16 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_cluster__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_cluster__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/vllm_cluster.PrefillWorker/LoadLoRAAdapter',
+                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/vllm_cluster.PrefillWorker/UnloadLoRAAdapter',
+                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -431,6 +614,18 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -448,6 +643,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_cluster__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_cluster__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +736,60 @@ class PrefillWorker:
             '/vllm_cluster.PrefillWorker/Stats',
             proto_dot_cluster__pb2.StatsRequest.SerializeToString,
             proto_dot_cluster__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.PrefillWorker/LoadLoRAAdapter',
+            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.PrefillWorker/UnloadLoRAAdapter',
+            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

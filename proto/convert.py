@@ -111,7 +111,9 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
 def request_from_proto(core: EngineCore, msg: pb.WorkerRequest) -> Request:
     """Validate and build; raises InvalidRequestError with what to change."""
     params = sampling_params_from_proto(msg.sampling_params)
-    return core.make_request(msg.request_id, list(msg.prompt_token_ids), params, tuple(msg.extra_keys))
+    return core.make_request(
+        msg.request_id, list(msg.prompt_token_ids), params, tuple(msg.extra_keys), lora_name=msg.lora_name or None
+    )
 
 
 def worker_stats_to_proto(
@@ -130,4 +132,6 @@ def worker_stats_to_proto(
         block_size=block_size,
         model=model,
         kv_endpoint=kv_endpoint,
+        lora_names=list(stats.lora_names),
+        lora_resident_names=list(stats.lora_resident_names),
     )

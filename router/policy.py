@@ -20,15 +20,18 @@ class InstanceLoad:
     num_running: int = 0
     kv_cache_usage: float = 0.0  # 0..1
     num_cached_blocks: int = 0  # leading blocks of this prompt the instance holds (prefix index)
+    lora_resident: bool = False  # the request's LoRA adapter sits in a slot there (no swap-in)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixWeights:
-    """prefix_aware: score = overlap * overlap_fraction - usage * kv_cache_usage - load * load_share."""
+    """prefix_aware: score = overlap * overlap_fraction - usage * kv_cache_usage - load * load_share
+    + lora * lora_resident."""
 
     overlap: float = 2.0
     usage: float = 1.0
     load: float = 1.0
+    lora: float = 0.5
 
 
 def score(load: InstanceLoad) -> float:
@@ -74,7 +77,8 @@ def prefix_aware(
     def value(load: InstanceLoad) -> float:
         overlap = load.num_cached_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
         share = (load.num_inflight + load.num_waiting) / total_load if total_load else 0.0
-        return weights.overlap * overlap - weights.usage * load.kv_cache_usage - weights.load * share
+        resident = weights.lora if load.lora_resident else 0.0
+        return weights.overlap * overlap - weights.usage * load.kv_cache_usage - weights.load * share + resident
 
     keyed = [(-value(load), rng.random(), load.name) for load in healthy]
     return [name for _, _, name in sorted(keyed)]

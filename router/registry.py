@@ -38,7 +38,7 @@ class Instance:
         """This instance's id in the prefix index (see proto.worker_main.instance_id)."""
         return f"{self.role}@{self.address}"
 
-    def load(self, num_cached_blocks: int = 0) -> InstanceLoad:
+    def load(self, num_cached_blocks: int = 0, lora_name: str | None = None) -> InstanceLoad:
         return InstanceLoad(
             name=self.name,
             healthy=self.healthy,
@@ -47,6 +47,7 @@ class Instance:
             num_running=self.stats.num_running,
             kv_cache_usage=self.stats.kv_cache_usage,
             num_cached_blocks=num_cached_blocks,
+            lora_resident=lora_name is not None and lora_name in self.stats.lora_resident_names,
         )
 
 
@@ -71,11 +72,16 @@ class Registry:
     def of_role(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
-    def loads(self, role: str, overlap: dict[str, int] | None = None) -> list[InstanceLoad]:
+    def loads(self, role: str, overlap: dict[str, int] | None = None, lora_name: str | None = None) -> list[InstanceLoad]:
         """`overlap`: prefix-index id -> leading blocks of the prompt it holds."""
         overlap = overlap or {}
         with self._lock:
-            return [i.load(overlap.get(i.index_id, 0)) for i in self.of_role(role)]
+            return [i.load(overlap.get(i.index_id, 0), lora_name) for i in self.of_role(role)]
+
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters some instance reported loaded at its last Stats."""
+        with self._lock:
+            return {name for i in self.instances.values() for name in i.stats.lora_names}
 
     def acquire(self, name: str) -> Instance:
         with self._lock:

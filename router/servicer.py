@@ -36,6 +36,7 @@ import grpc
 
 from engine.block_hash import hash_block_tokens
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.lora import lora_extra_key
 from engine.tokenizer import apply_chat_template
 from kv_index import PrefixIndex
 from metrics import RouterMetrics
@@ -46,6 +47,7 @@ from proto.rpc import abort as _abort
 from proto.rpc import scrub
 from router.config import RouterConfig
 from router.handoff import Handoff, HandoffState
+from router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
 from router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
 from router.policy import rank, should_skip_prefill
 from router.registry import Instance, Registry
@@ -85,6 +87,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._prefix_index = prefix_index
         self._rng = random.Random()
         self._registry = registry
+        self.loras = LoRAAdapters(registry)
         self._tokenizer = tokenizer
         self._model_name = model_name
         self._max_model_len = max_model_len
@@ -142,7 +145,24 @@ class RouterServicer(pb_grpc.GenerationServicer):
         return pb.AbortResponse(found=handoff is not None and handoff.abort("aborted by the client"))
 
     def ListModels(self, msg: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[pb.ModelCard(id=self._model_name, max_model_len=self._max_model_len)])
+        cards = [pb.ModelCard(id=self._model_name, max_model_len=self._max_model_len)]
+        cards += [pb.ModelCard(id=name, max_model_len=self._max_model_len, parent=self._model_name)
+                  for name in sorted(self.loras.known())]
+        return pb.ListModelsResponse(models=cards)
+
+    def LoadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+        try:
+            self.loras.load(msg.lora_name, msg.lora_path)
+        except LoRAAdapterCallError as e:
+            abort(context, e.code, str(e))
+        return pb.LoRAAdapterResponse(changed=True)
+
+    def UnloadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+        try:
+            self.loras.unload(msg.lora_name)
+        except LoRAAdapterCallError as e:
+            abort(context, e.code, str(e))
+        return pb.LoRAAdapterResponse(changed=True)
 
     # ---- the two legs
 
@@ -221,7 +241,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
 
     def _rank(self, role: str, request: pb.WorkerRequest, overlap: dict[str, int]) -> list[str]:
         num_blocks = len(request.prompt_token_ids) // self._block_size
-        loads = self._registry.loads(role, overlap)
+        loads = self._registry.loads(role, overlap, request.lora_name or None)
         with self._lock:
             self._turn += 1
             turn = self._turn
@@ -403,8 +423,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
     # ---- helpers
 
     def _worker_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.WorkerRequest:
-        if msg.model and msg.model != self._model_name:
-            abort(context, grpc.StatusCode.NOT_FOUND, f"model {msg.model!r} is not served here; this cluster serves {self._model_name!r}")
+        lora_name = msg.model if msg.model and msg.model != self._model_name else ""
+        if lora_name and lora_name not in self.loras.known():
+            abort(context, grpc.StatusCode.NOT_FOUND, f"The model `{msg.model}` does not exist.")
         try:
             sampling_params_from_proto(msg.sampling_params)  # validate here, with a clear message
             prompt = self._tokenize(msg)
@@ -414,7 +435,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             request_id=msg.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt,
             sampling_params=msg.sampling_params,
-            extra_keys=[msg.tenant_salt] if msg.tenant_salt else [],
+            extra_keys=([msg.tenant_salt] if msg.tenant_salt else []) + ([lora_extra_key(lora_name)] if lora_name else []),
+            lora_name=lora_name,
         )
 
     def _tokenize(self, msg: pb.GenerateRequest) -> list[int]:

@@ -7,6 +7,7 @@ config, with a fixed seed).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from engine.errors import ModelLoadError
 from engine.loader.gguf_file import gguf_hf_config, gguf_weights
 from engine.loader.presets import PRESETS
 from engine.models import CausalLM, ModelArchConfig
+from engine.quantization import QuantMethod, get_method, is_quantized, quantize_model, select_method
 
 BUNDLED_MODEL = "smollm2-135m-instruct"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,6 +35,8 @@ class ModelSource:
     load_format: str  # "hf", "gguf" or "dummy"
     path: Path | None
     hf_config: dict[str, Any]
+    # The quantization method the model runs with (engine/quantization.select_method).
+    quantization: str | None = None
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -58,6 +62,11 @@ def bundled_model_path() -> Path:
 
 
 def resolve(config: ModelConfig) -> ModelSource:
+    source = _locate(config)
+    return dataclasses.replace(source, quantization=select_method(config.quantization, source.hf_config))
+
+
+def _locate(config: ModelConfig) -> ModelSource:
     name, fmt = config.model, config.load_format
     if name.lower() == BUNDLED_MODEL:
         path: Path | None = bundled_model_path()
@@ -95,6 +104,11 @@ def _single(directory: Path, pattern: str) -> Path:
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     arch = ModelArchConfig.from_hf_dict(source.hf_config)
     model = build_model(arch, dtype, device)
+    method: QuantMethod | None = None
+    if source.quantization is not None:
+        method = get_method(source.quantization, source.hf_config)
+        if method.quantizes_checkpoint:  # the checkpoint's packed tensors load into its modules
+            quantize_model(model, method, convert=False)
     try:
         if source.load_format == "dummy":
             _init_dummy(model, seed)
@@ -106,6 +120,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, se
             model.load_weights(_safetensors_weights(source.path))
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights of {source.path} do not match {arch.architecture}: {e}") from e
+    if method is not None and not method.quantizes_checkpoint:
+        quantize_model(model, method)  # online: quantize the loaded weights
     return model.eval()
 
 
@@ -149,7 +165,15 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def _init_dummy(model: CausalLM, seed: int) -> None:
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    for name, module in model.named_modules():
+        if is_quantized(module):
+            if not callable(getattr(module, "init_dummy", None)):
+                raise ModelLoadError(f"{name}: {type(module).__name__} has no dummy weights; load a real checkpoint")
+            module.init_dummy(generator)
+    quantized = {name for name, module in model.named_modules() if is_quantized(module)}
     for name, param in model.named_parameters():
+        if name.rpartition(".")[0] in quantized:
+            continue
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:

@@ -16,6 +16,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models import mixtral
 from engine.models.config import ModelArchConfig
+from engine.quantization import is_quantized
 from kernels import AttentionMetadata, silu_and_mul
 
 
@@ -95,6 +96,9 @@ class DecoderModel(nn.Module):
         return x
 
 
+# The part of a fused layer a shard fills, as quantized layers number them.
+_SHARD_INDEX: dict[str | int, int] = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
+
 # HF checkpoint name -> (our parameter, shard): q/k/v and gate/up are fused here (and
 # Mixtral's experts stacked: mixtral.hf_target).
 _STACKED: dict[str, tuple[str, str | int]] = {
@@ -133,8 +137,10 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; raises if one is missing, unknown or misshapen."""
-        params = dict(self.named_parameters())
+        """Copy HF-named tensors in; raises if one is missing, unknown or misshapen. Tensors of
+        a quantized layer go to its `load_shard` (engine/quantization/base.py)."""
+        quantized = {name: module for name, module in self.named_modules() if is_quantized(module)}
+        params = {n: p for n, p in self.named_parameters() if n.rpartition(".")[0] not in quantized}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -142,6 +148,11 @@ class CausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, shard = self._target(name)
+            owner, _, leaf = target.rpartition(".")
+            if owner in quantized:
+                assert not isinstance(shard, tuple), "quantized MoE experts are refused by quantize_model"
+                quantized[owner].load_shard(leaf, tensor, _SHARD_INDEX.get(shard, 0) if shard is not None else 0)
+                continue
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
             param = params[target]
@@ -150,6 +161,8 @@ class CausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(target if shard is None else f"{target}:{shard}")
+        for module in quantized.values():
+            module.finish_loading()
         missing = self._expected_loads(params) - loaded
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

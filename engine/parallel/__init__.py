@@ -1,18 +1,21 @@
 """Tensor, pipeline and expert parallelism, applied to a built model from outside: the
 model files have no distributed code.
 
-How the pieces fit (`LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp)`):
+How the pieces fit (`LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+enable_expert_parallel=..., distributed_executor_backend="mp" | "ray")`):
 
   topology.py      the tp x pp grid: rank -> (pipeline stage, tensor rank, layers, KV
                    heads), and `check_model` (a ConfigError before any process starts).
                    Rank 0 is the driver and holds tensor rank 0 of the LAST stage.
   launch.py        `WorkerLauncher`: starts ranks 1..N-1 from JSON `WorkerSpec`s;
-                   `ProcessLauncher` runs them as local processes (Ray can place them).
+                   `ProcessLauncher` runs them as local processes ("mp");
+                   cluster/ray_launcher.py as Ray actors ("ray", imported by name).
   worker.py        what ranks 1..N-1 run (`run_worker(spec)`): join, receive weights,
                    shard, then step on every message until STOP.
   groups.py        process groups over the driver's TCPStore (gloo on CPU, NCCL on GPUs),
                    built without a global default group.
-  context.py       one rank's groups (control, world, tp) and `shard(model)`.
+  context.py       one rank's groups (control, world, tp) and `shard(model)`: pipeline
+                   stage, then tensor split, then (enable_expert_parallel) the experts.
   tensor.py        `apply_tp`: column-parallel qkv / gate_up, row-parallel o / down
                    (+ all-reduce), vocab-parallel embedding and lm_head (layers.py).
   pipeline.py      `apply_pp` (keep this stage's layers), `run_stage`, micro-batches.
@@ -24,7 +27,8 @@ How the pieces fit (`LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=
                    workers, loads and broadcasts the weights, each step broadcasts the
                    SchedulerOutput and returns the logits; a dead worker raises
                    WorkerDiedError.
-  expert.py        expert parallelism for MoE models (shard_experts).
+  expert.py        expert parallelism for MoE models (shard_experts): over a stage's tp
+                   ranks, each keeps num_experts / tp experts of every MoE layer.
 
 A step on the driver: scheduler.schedule() -> executor.execute(): STEP broadcast on the
 control group -> every rank's StageRunner runs its stage (first stage embeds, hidden

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.models import CausalLM
+from engine.parallel.expert import shard_experts
 from engine.parallel.groups import FOREVER, Group, backend_for, make_group
 from engine.parallel.pipeline import apply_pp
 from engine.parallel.tensor import apply_tp
@@ -71,10 +72,14 @@ class ParallelContext:
             self.world.broadcast_(param.data.view(torch.uint8), src=0)
 
     def shard(self, model: CausalLM) -> None:
-        """Cut the full model down to this rank's share, in place."""
+        """Cut the full model down to this rank's share, in place. With expert parallelism
+        the stage's tp ranks are also its expert-parallel ranks: each keeps 1/tp of every
+        MoE layer's experts (apply_tp leaves MoE blocks whole)."""
         apply_pp(model, self.place)
         if self.tp is not None:
             apply_tp(model, self.tp)
+            if self.topology.enable_expert_parallel:
+                shard_experts(model, self.tp.rank_in_group, self.tp.size, self.tp.pg)
 
     def abort(self) -> None:
         """Fail the device groups' operations in flight (NCCL would wait on a dead peer)."""

@@ -7,7 +7,9 @@ Lifecycle:
      groups, broadcast the weights, keep rank 0's shard (tensor rank 0 of the last stage).
   2. `start_runner`: tell every rank the KV cache size, allocate rank 0's, barrier.
   3. `execute`, each step: broadcast the SchedulerOutput, run rank 0's part, return the
-     logits of the sampling requests; the engine samples them here.
+     logits of the sampling requests; the engine samples them here. Prefill and decode
+     instances (tp > 1, one stage) also move KV between the ranks' head shards and rank
+     0's full-head transfer cache: `gather_kv` / `scatter_kv` (kv_mirror.py).
   4. `shutdown`: broadcast STOP, wait for the workers, kill stragglers. Also runs when the
      executor is collected or the interpreter exits.
 A worker that dies makes the step (or the start) raise WorkerDiedError naming its rank
@@ -37,8 +39,16 @@ from engine.model_runner import ModelRunner
 from engine.models import CausalLM, ModelArchConfig
 from engine.parallel.context import ParallelContext
 from engine.parallel.groups import host_store
-from engine.parallel.launch import ProcessLauncher, WorkerLauncher, WorkerSpec, error_key, hello_key
-from engine.parallel.messages import ControlChannel, Kind, KVCacheInit, encode_init, encode_step
+from engine.parallel.kv_mirror import KVMirror
+from engine.parallel.launch import WorkerLauncher, WorkerSpec, error_key, hello_key, make_launcher
+from engine.parallel.messages import (
+    ControlChannel,
+    Kind,
+    KVCacheInit,
+    encode_block_ids,
+    encode_init,
+    encode_step,
+)
 from engine.parallel.stage_runner import StageRunner
 from engine.parallel.topology import Topology, check_model, kv_heads_of
 from engine.request import RequestId
@@ -79,10 +89,11 @@ class ParallelExecutor:
         """`model`: the full model, already loaded (left untouched: rank 0 shards a copy)."""
         parallel = config.parallel
         arch = ModelArchConfig.from_hf_dict(source.hf_config) if model is None else model.config
-        check_model(arch, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        tp, pp, ep = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.enable_expert_parallel
+        check_model(arch, tp, pp, ep)
         _check_devices(device, parallel.world_size)
-        topology = Topology(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, arch.num_hidden_layers)
-        executor = cls(launcher or ProcessLauncher(), topology, dtype)
+        topology = Topology(tp, pp, arch.num_hidden_layers, ep)
+        executor = cls(launcher or make_launcher(parallel), topology, dtype)
         try:
             executor._start(config, source, arch, device, model)
         except BaseException:
@@ -105,6 +116,7 @@ class ParallelExecutor:
                 device=f"cuda:{rank}" if device.type == "cuda" else "cpu",
                 dtype=str(self.dtype).removeprefix("torch."), num_threads=num_threads,
                 timeout_s=config.parallel.distributed_timeout_s, hf_config=source.hf_config,
+                enable_expert_parallel=self.topology.enable_expert_parallel,
             )
             for rank in range(1, self.topology.world_size)
         ]
@@ -140,9 +152,10 @@ class ParallelExecutor:
                 )
             time.sleep(0.05)
 
-    def kv_cache_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+    def kv_cache_block_bytes(self, block_size: int, dtype: torch.dtype, transfer_mirror: bool = False) -> int:
         """One KV block's bytes on the rank holding the most (the KV manager's block count
-        must fit every rank). On CPU all ranks share the host's memory: counted once each."""
+        must fit every rank), rank 0's full-head transfer cache included when there is one.
+        On CPU all ranks share the host's memory: counted once each."""
         c = self.topology
         assert self.model is not None and self.ctx is not None
         arch = self.model.config
@@ -150,17 +163,57 @@ class ParallelExecutor:
         num_kv_heads = len(kv_heads_of(0, c.tensor_parallel_size, arch.num_key_value_heads))
         elem = torch.empty((), dtype=dtype).element_size()
         per_rank = num_layers * 2 * block_size * num_kv_heads * arch.head_dim * elem
-        return per_rank * (c.world_size if self.ctx.device.type == "cpu" else 1)
+        mirror = num_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem if transfer_mirror else 0
+        return per_rank * (c.world_size if self.ctx.device.type == "cpu" else 1) + mirror
 
-    def start_runner(self, num_blocks: int, block_size: int, max_model_len: int) -> ModelRunner:
-        """Every rank allocates its KV cache; returns rank 0's runner (its cache and tables)."""
+    def start_runner(
+        self, num_blocks: int, block_size: int, max_model_len: int, transfer_mirror: bool = False
+    ) -> ModelRunner:
+        """Every rank allocates its KV cache; returns rank 0's runner (its cache and tables).
+        `transfer_mirror` (prefill/decode roles): rank 0 also keeps a full-head cache for
+        the KV transfer, `transfer_caches`."""
         assert self.ctx is not None and self.channel is not None and self.model is not None
         ctx, channel, model = self.ctx, self.channel, self.model
         init = KVCacheInit(num_blocks, block_size, max_model_len)
         self._guard(lambda: channel.send(Kind.INIT, encode_init(init)))
         self.stage = StageRunner(model, ctx, num_blocks, block_size, max_model_len, self.dtype)
+        if transfer_mirror:
+            assert self.topology.pipeline_parallel_size == 1 and ctx.tp is not None, "config.validate refuses pp > 1 roles"
+            arch = model.config
+            shape = (num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+            full = [torch.zeros(shape, dtype=self.dtype, device=ctx.device) for _ in self.stage.kv_caches]
+            self.stage.mirror = KVMirror(self.stage.kv_caches, ctx.tp, arch.num_key_value_heads, full)
         self._guard(ctx.control.barrier)
         return self.stage.inner
+
+    @property
+    def transfer_caches(self) -> list[torch.Tensor]:
+        """The full-head caches the KV sender reads / the receiver writes (start_runner with
+        transfer_mirror)."""
+        assert self.stage is not None and self.stage.mirror is not None and self.stage.mirror.mirror is not None
+        return self.stage.mirror.mirror
+
+    def gather_kv(self, block_ids: list[int]) -> None:
+        """Prefill: every rank's heads of `block_ids` into `transfer_caches`."""
+        self._kv_move(Kind.GATHER_KV, block_ids)
+
+    def scatter_kv(self, block_ids: list[int]) -> None:
+        """Decode: `transfer_caches`' blocks `block_ids` into every rank's own heads."""
+        self._kv_move(Kind.SCATTER_KV, block_ids)
+
+    def _kv_move(self, kind: Kind, block_ids: list[int]) -> None:
+        assert self.channel is not None and self.stage is not None and self.stage.mirror is not None
+        if self.failure is not None:
+            raise self.failure
+        channel, mirror = self.channel, self.stage.mirror
+        move = mirror.gather if kind == Kind.GATHER_KV else mirror.scatter
+
+        def run() -> None:
+            channel.send(kind, encode_block_ids(block_ids))
+            with torch.inference_mode():
+                move(block_ids)
+
+        self._guard(run)
 
     def execute(
         self, output: SchedulerOutput, after_layer: Callable[[int], None] | None = None

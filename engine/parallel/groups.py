@@ -47,12 +47,17 @@ class Group:
 
     def gather_cat(self, tensor: torch.Tensor, dim: int) -> torch.Tensor | None:
         """Every rank's `tensor` concatenated along `dim` on the group's first rank; None elsewhere."""
+        parts = self.gather_list(tensor)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (same shape), by group rank, on the group's first rank; None elsewhere."""
         root = self.rank_in_group == 0
         outputs = [[torch.empty_like(tensor) for _ in self.ranks]] if root else []
         options = dist.GatherOptions()
         options.rootRank = 0
         self.pg.gather(outputs, [tensor], options).wait()
-        return torch.cat(outputs[0], dim=dim) if root else None
+        return outputs[0] if root else None
 
     def send(self, tensor: torch.Tensor, dst: int) -> Any:
         """Start sending; wait on the returned work before reusing `tensor`."""

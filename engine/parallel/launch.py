@@ -1,5 +1,8 @@
 """Starting the ranks other than 0, behind a small interface so that something else
 (Ray actors in a placement group) can place them instead of local processes.
+`parallel.distributed_executor_backend` names the launcher (`make_launcher`): "mp" is
+ProcessLauncher below, "ray" is cluster/ray_launcher.py's RayLauncher, imported by name
+only when asked for (the engine never imports Ray).
 
 A launcher runs `engine.parallel.worker.run_worker(spec)` once per WorkerSpec (ranks
 1..world_size-1; rank 0 is the caller's own process), says which have exited, and stops
@@ -11,15 +14,19 @@ places ranks elsewhere may rewrite `device` (one GPU per actor: "cuda:0") and `h
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from engine.config import ParallelConfig
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +43,7 @@ class WorkerSpec:
     num_threads: int
     timeout_s: float
     hf_config: dict[str, Any]  # the model's architecture; the weights come from rank 0
+    enable_expert_parallel: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -107,6 +115,37 @@ class ProcessLauncher:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+LauncherFactory = Callable[[ParallelConfig], WorkerLauncher]
+
+_LAUNCHERS: dict[str, LauncherFactory] = {"mp": lambda _parallel: ProcessLauncher()}
+# Backends implemented outside the engine, by the module that registers them when
+# imported. The engine imports such a module by name, and only when its backend is asked
+# for: `engine` itself never imports Ray (ARCHITECTURE.md), and a machine without Ray
+# runs the "mp" backend as before.
+_BACKEND_MODULES = {"ray": "cluster.ray_launcher"}
+
+
+def register_launcher(name: str, factory: LauncherFactory) -> None:
+    """Make `parallel.distributed_executor_backend: NAME` start ranks with `factory(parallel)`."""
+    _LAUNCHERS[name] = factory
+
+
+def make_launcher(parallel: ParallelConfig) -> WorkerLauncher:
+    """The launcher that `parallel.distributed_executor_backend` names."""
+    name = parallel.distributed_executor_backend
+    if name not in _LAUNCHERS and name in _BACKEND_MODULES:
+        try:
+            importlib.import_module(_BACKEND_MODULES[name])
+        except ImportError as e:
+            raise ConfigError(
+                f"distributed_executor_backend {name!r} needs {_BACKEND_MODULES[name]}, which failed to import "
+                f"({e}): install its dependencies (pip install ray) or use 'mp'"
+            ) from e
+    if name not in _LAUNCHERS:
+        raise ConfigError(f"distributed_executor_backend {name!r} is not one of {sorted({*_LAUNCHERS, *_BACKEND_MODULES})}")
+    return _LAUNCHERS[name](parallel)
 
 
 def _describe(returncode: int) -> str:

@@ -6,6 +6,8 @@ Per message: a header broadcast (int64 [kind, num_bytes]), then the payload broa
   INIT  once, after the weights: the KV cache size every rank allocates.
   STEP  every engine step: the SchedulerOutput.
   STOP  shut down.
+  GATHER_KV / SCATTER_KV  (prefill / decode role, tp > 1) the block ids whose KV moves
+        between the ranks' head shards and rank 0's full-head transfer cache (kv_mirror.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Kind(enum.IntEnum):
     INIT = 1
     STEP = 2
     STOP = 3
+    GATHER_KV = 4
+    SCATTER_KV = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,14 @@ def encode_init(init: KVCacheInit) -> bytes:
 def decode_init(data: bytes) -> KVCacheInit:
     num_blocks, block_size, max_model_len = json.loads(data)
     return KVCacheInit(int(num_blocks), int(block_size), int(max_model_len))
+
+
+def encode_block_ids(block_ids: list[int]) -> bytes:
+    return json.dumps([int(b) for b in block_ids], separators=(",", ":")).encode()
+
+
+def decode_block_ids(data: bytes) -> list[int]:
+    return [int(b) for b in json.loads(data)]
 
 
 def encode_step(output: SchedulerOutput) -> bytes:

@@ -17,6 +17,7 @@ import torch
 from engine.model_runner import ModelRunner
 from engine.models import CausalLM
 from engine.parallel.context import ParallelContext
+from engine.parallel.kv_mirror import KVMirror
 from engine.parallel.pipeline import run_stage, split_micro_batches
 from engine.parallel.topology import kv_heads_of
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -43,6 +44,15 @@ class StageRunner:
             model, num_blocks, block_size, max_model_len, ctx.device, dtype, 0,
             num_layers=len(ctx.place.layers), num_kv_heads=num_kv_heads,
         )
+        # Prefill/decode roles with tp > 1: rank 0 sets one with the full-head cache; the
+        # other ranks build theirs at the first GATHER_KV / SCATTER_KV (kv_mirror.py).
+        self.mirror: KVMirror | None = None
+
+    def kv_mirror(self) -> KVMirror:
+        if self.mirror is None:
+            assert self.ctx.tp is not None, "KV moves between tensor ranks need tp > 1"
+            self.mirror = KVMirror(self.kv_caches, self.ctx.tp, self.model.config.num_key_value_heads, None)
+        return self.mirror
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:

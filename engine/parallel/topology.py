@@ -35,6 +35,8 @@ class Topology:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     num_layers: int
+    # MoE layers: each stage's tp ranks hold num_experts / tp experts (engine/parallel/expert.py).
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -88,8 +90,10 @@ def vocab_shard_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size)
 
 
-def check_model(arch: ModelArchConfig, tp: int, pp: int) -> None:
+def check_model(arch: ModelArchConfig, tp: int, pp: int, enable_expert_parallel: bool = False) -> None:
     """Raise a ConfigError saying what to change when the model cannot split this way."""
+    if enable_expert_parallel:
+        check_expert_parallel(arch, tp)
     problem = _tp_problem(arch, tp)
     if problem is not None:
         valid = [n for n in range(1, arch.num_attention_heads + 1) if _tp_problem(arch, n) is None]
@@ -98,6 +102,22 @@ def check_model(arch: ModelArchConfig, tp: int, pp: int) -> None:
         raise ConfigError(
             f"pipeline_parallel_size {pp} exceeds the model's {arch.num_hidden_layers} layers: "
             f"use at most {arch.num_hidden_layers} stages"
+        )
+
+
+def check_expert_parallel(arch: ModelArchConfig, tp: int) -> None:
+    """Expert parallelism spreads a MoE model's experts over the tp ranks, evenly."""
+    if not arch.num_experts:
+        raise ConfigError(
+            f"enable_expert_parallel needs a MoE model (e.g. Mixtral); {arch.architecture} has no experts: "
+            "set enable_expert_parallel to false"
+        )
+    if arch.num_experts % tp:
+        valid = [n for n in range(1, arch.num_experts + 1) if arch.num_experts % n == 0]
+        raise ConfigError(
+            f"enable_expert_parallel spreads the model's {arch.num_experts} experts over tensor_parallel_size "
+            f"{tp} ranks, which must divide them: use tensor_parallel_size in {valid}, or turn expert "
+            "parallelism off"
         )
 
 

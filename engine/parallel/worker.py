@@ -5,7 +5,7 @@ Lifecycle:
   1. join the driver's store, say hello, build the process groups;
   2. build the model with empty weights, receive rank 0's, keep this rank's shard;
   3. receive INIT, allocate this rank's KV cache, meet the others at a barrier;
-  4. run this rank's part of every STEP, in order, until STOP.
+  4. run this rank's part of every STEP (and KV move, kv_mirror.py), in order, until STOP.
 An error is written to the store (`error/<rank>`) for the driver to report, and ends the
 process; the driver going away ends it too (its sockets close, the wait fails).
 """
@@ -25,7 +25,13 @@ from engine.models import ModelArchConfig
 from engine.parallel.context import ParallelContext
 from engine.parallel.groups import join_store
 from engine.parallel.launch import WorkerSpec, error_key, hello_key
-from engine.parallel.messages import ControlChannel, Kind, decode_init, decode_step
+from engine.parallel.messages import (
+    ControlChannel,
+    Kind,
+    decode_block_ids,
+    decode_init,
+    decode_step,
+)
 from engine.parallel.stage_runner import StageRunner
 from engine.parallel.topology import Topology
 
@@ -50,7 +56,9 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def _serve(spec: WorkerSpec, store: dist.Store, device: torch.device, timeout: datetime.timedelta) -> None:
     arch = ModelArchConfig.from_hf_dict(spec.hf_config)
-    topology = Topology(spec.tensor_parallel_size, spec.pipeline_parallel_size, arch.num_hidden_layers)
+    topology = Topology(
+        spec.tensor_parallel_size, spec.pipeline_parallel_size, arch.num_hidden_layers, spec.enable_expert_parallel
+    )
     store.set(hello_key(spec.rank), "1")
     ctx = ParallelContext.create(store, topology, spec.rank, device, timeout, spec.host)
     dtype = DTYPES[spec.dtype]
@@ -72,8 +80,15 @@ def _serve(spec: WorkerSpec, store: dist.Store, device: torch.device, timeout: d
         kind, payload = channel.receive()
         if kind == Kind.STOP:
             return
-        assert kind == Kind.STEP, kind
-        runner.execute(decode_step(payload))
+        if kind == Kind.STEP:
+            runner.execute(decode_step(payload))
+        elif kind == Kind.GATHER_KV:
+            with torch.inference_mode():
+                runner.kv_mirror().gather(decode_block_ids(payload))
+        else:
+            assert kind == Kind.SCATTER_KV, kind
+            with torch.inference_mode():
+                runner.kv_mirror().scatter(decode_block_ids(payload))
 
 
 def _report(store: dist.Store, rank: int, error: BaseException) -> None:

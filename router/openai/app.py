@@ -32,6 +32,7 @@ from router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoRAAdapterRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -103,9 +104,19 @@ def build_app(
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": c.id, "object": "model", "created": created, "owned_by": "vllm-cluster", "root": c.id,
-             "parent": None, "max_model_len": c.max_model_len}
+             "parent": c.parent or None, "max_model_len": c.max_model_len}
             for c in cards
         ]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoRAAdapterRequest) -> Response:
+        await serving.backend.lora_adapter(True, body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: LoRAAdapterRequest) -> Response:
+        await serving.backend.lora_adapter(False, body.lora_name, "")
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

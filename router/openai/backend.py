@@ -40,7 +40,9 @@ def api_error(e: grpc.RpcError) -> ApiError:
     code = e.code()
     status = _HTTP_STATUS.get(code, 500)
     retry = RETRY_AFTER_S if status in (429, 503) else None
-    return ApiError(status, e.details() or code.name, retry_after_s=retry)
+    details = e.details() or code.name
+    param = "model" if code == grpc.StatusCode.NOT_FOUND and details.startswith("The model `") else None
+    return ApiError(status, details, param, retry_after_s=retry)
 
 
 @dataclass(slots=True)
@@ -74,6 +76,16 @@ class RouterBackend:
         except grpc.RpcError as e:
             raise api_error(e) from e
         return list(reply.models)
+
+    async def lora_adapter(self, load: bool, name: str, path: str) -> None:
+        """Load (or unload) a LoRA adapter on every instance, through the router."""
+        assert self._stub is not None
+        msg = pb.LoRAAdapterRequest(lora_name=name, lora_path=path)
+        method = self._stub.LoadLoRAAdapter if load else self._stub.UnloadLoRAAdapter
+        try:
+            await method(msg, metadata=self._metadata, timeout=120.0)
+        except grpc.RpcError as e:
+            raise api_error(e) from e
 
     async def generate(self, requests: list[pb.GenerateRequest]) -> AsyncGenerator[Piece, None]:
         """The pieces of all `requests` (the choices of one HTTP request) as they arrive.

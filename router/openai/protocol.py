@@ -40,6 +40,13 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class LoRAAdapterRequest(_Request):
+    """vLLM's body of /v1/load_lora_adapter (lora_path unused by /v1/unload_lora_adapter)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False

@@ -270,8 +270,9 @@ class OpenAIServing:
         return list(ids["input_ids"] if hasattr(ids, "input_ids") or isinstance(ids, dict) else ids)
 
     def _job(self, job_id: str, body: _SamplingFields, prompts: list[list[int]], params: pb.SamplingParams) -> _Job:
-        if body.model and body.model != self.model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist: this server serves `{self.model_name}`", "model")
+        # Another name than the base model's names a LoRA adapter; the router says 404
+        # ("The model `x` does not exist.") when no instance has it.
+        model = body.model if body.model and body.model != self.model_name else ""
         if len(prompts) * body.n > _MAX_SEQUENCES:
             raise bad_request(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} sequences; "
                               f"send at most {_MAX_SEQUENCES} per request", "n")
@@ -281,7 +282,7 @@ class OpenAIServing:
             for j in range(body.n):
                 request = pb.GenerateRequest(
                     request_id=f"{job_id}-{i}-{j}", token_ids=pb.TokenIds(ids=prompt), sampling_params=params,
-                    tenant_salt=body.cache_salt or "",
+                    tenant_salt=body.cache_salt or "", model=model,
                 )
                 if params.HasField("seed") and body.n > 1:
                     request.sampling_params.seed = params.seed + j  # n samples, reproducible, not identical

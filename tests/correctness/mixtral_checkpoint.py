@@ -24,16 +24,18 @@ PROMPTS = [
 ]
 
 
-def build_hf_mixtral() -> Any:
-    """4 experts, top-2, GQA (4 heads, 2 KV heads), seeded."""
+def build_hf_mixtral(**overrides: Any) -> Any:
+    """4 experts, top-2, GQA (4 heads, 2 KV heads), seeded; `overrides`: other config.json
+    values (e.g. a preset's from engine/loader/presets.py)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(
+    values: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False,
     )
+    config = MixtralConfig(**(values | overrides))
     torch.manual_seed(0)
     model = MixtralForCausalLM(config).eval()  # fp32
     # The default init (std 0.02) gives nearly uniform logits and router scores, where
@@ -46,8 +48,8 @@ def build_hf_mixtral() -> Any:
     return model
 
 
-def save_hf_mixtral(path: Path) -> Any:
-    model = build_hf_mixtral()
+def save_hf_mixtral(path: Path, **overrides: Any) -> Any:
+    model = build_hf_mixtral(**overrides)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
 

@@ -4,64 +4,13 @@ ones, only the blocks decode lacks are pushed, and no block leaks on either side
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine_core import EngineCore
 from engine.scheduler import SampledToken
+from tests.correctness.handoff import run_disaggregated
 
 pytestmark = pytest.mark.slow
-
-
-@dataclass
-class CopyPush:
-    """A KVPush that copies each layer's blocks straight into the decode engine's cache."""
-
-    src: EngineCore
-    dst: EngineCore
-    dst_block_ids: list[int]
-    num_skip_blocks: int
-    layers_pushed: list[int] = field(default_factory=list)
-    num_blocks_pushed: int = 0
-    finished: bool = False
-
-    def push_layer(self, layer: int, src_block_ids: list[int]) -> None:
-        dst_ids = self.dst_block_ids[self.num_skip_blocks : self.num_skip_blocks + len(src_block_ids)]
-        assert len(dst_ids) == len(src_block_ids)
-        self.dst.runner.kv_caches[layer][dst_ids] = self.src.runner.kv_caches[layer][src_block_ids]
-        self.layers_pushed.append(layer)
-        self.num_blocks_pushed = len(src_block_ids)
-
-    def finish(self) -> None:
-        self.finished = True
-
-
-def _disaggregated(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[CopyPush]]:
-    pushes = []
-    for i, prompt in enumerate(prompts):
-        rid = f"r{i}"
-        block_ids = decode.reserve(decode.make_request(rid, prompt, params), lease_s=60)
-        assert block_ids is not None
-        num_skip = decode.scheduler.requests[rid].num_cached_tokens // decode.kv.block_size
-        push = CopyPush(prefill, decode, block_ids, num_skip)
-        prefill.add_request(prefill.make_request(rid, prompt, params), push)
-        pushes.append(push)
-    first: dict[str, SampledToken] = {}
-    while prefill.has_unfinished():
-        for update in prefill.step():
-            assert update.finished and len(update.new_token_ids) == 1
-            first[update.request.request_id] = SampledToken(update.new_token_ids[0], None)
-    outputs: dict[str, list[int]] = {}
-    for rid, token in first.items():
-        update = decode.land(rid, token)
-        assert update is not None
-        outputs[rid] = list(update.new_token_ids)
-    while decode.has_unfinished():
-        for update in decode.step():
-            outputs[update.request.request_id] += update.new_token_ids
-    return [outputs[f"r{i}"] for i in range(len(prompts))], pushes
 
 
 def test_disaggregated_equals_colocated(smollm2: LLM) -> None:
@@ -72,7 +21,7 @@ def test_disaggregated_equals_colocated(smollm2: LLM) -> None:
     expected = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
     prefill = smollm2.derive(role="prefill", max_num_batched_tokens=32).core  # chunked prompts
     decode = smollm2.derive(role="decode").core
-    got, pushes = _disaggregated(prefill, decode, prompts, params)
+    got, pushes = run_disaggregated(prefill, decode, prompts, params)
     assert got == expected
     num_layers = smollm2.core.model.config.num_hidden_layers
     assert all(p.layers_pushed == list(range(num_layers)) and p.finished for p in pushes)
@@ -88,8 +37,8 @@ def test_decode_prefix_hit_pushes_only_missing_blocks(smollm2: LLM) -> None:
     expected = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
     prefill = smollm2.derive(role="prefill").core
     decode = smollm2.derive(role="decode").core
-    first, _ = _disaggregated(prefill, decode, prompts[:1], params)
-    second, pushes = _disaggregated(prefill, decode, prompts[1:], params)
+    first, _ = run_disaggregated(prefill, decode, prompts[:1], params)
+    second, pushes = run_disaggregated(prefill, decode, prompts[1:], params)
     assert [first[0], second[0]] == expected
     block_size = decode.kv.block_size
     num_shared_blocks = len(shared) // block_size
@@ -129,5 +78,5 @@ def test_seeded_sampling_continues_the_same_stream(smollm2: LLM) -> None:
     prompt = tok.encode("Write a word:")
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
     expected = smollm2.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    got, _ = _disaggregated(smollm2.derive(role="prefill").core, smollm2.derive(role="decode").core, [prompt], params)
+    got, _ = run_disaggregated(smollm2.derive(role="prefill").core, smollm2.derive(role="decode").core, [prompt], params)
     assert got[0] == expected

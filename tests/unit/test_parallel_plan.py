@@ -55,7 +55,7 @@ def test_yaml_parallel_section_and_flat_kwargs(tmp_path: Path) -> None:
         ({"parallel": {"distributed_timeout_s": 0}}, r"parallel\.distributed_timeout_s: 0"),
         ({"parallel": {"tensor_parallel_size": "2"}}, r"parallel\.tensor_parallel_size: '2' has type str"),
         ({"parallel": {"data_parallel_size": 2}}, r"unknown key parallel\.data_parallel_size"),
-        ({"parallel": {"tensor_parallel_size": 2}, "role": "prefill"}, "role 'prefill' runs on one process"),
+        ({"parallel": {"pipeline_parallel_size": 2}, "role": "prefill"}, "role 'prefill' splits by tensor parallelism only"),
         ({"parallel": {"pipeline_parallel_size": 2}, "device": "cuda:1"}, "use device: cuda"),
     ],
 )

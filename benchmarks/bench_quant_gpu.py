@@ -1,0 +1,92 @@
+"""Quantized decoding on one H200: bf16 against FP8 W8A8 and INT8 weight-only (and INT4,
+where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same run.
+
+    PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq]
+
+Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
+(time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs) and offline
+throughput (128 prompts of 512 random tokens, 128 generated each, all submitted at once).
+Weights are random (no checkpoints can be downloaded here); speed does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from typing import Any
+
+import torch
+
+from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
+from engine import LLM
+from engine.errors import EngineError
+
+PRESET = "llama-3.1-8b"
+RESULTS: list[dict[str, Any]] = []
+
+
+def record(**row: Any) -> None:
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def make_llm(method: str, max_num_seqs: int, num_blocks: int, max_model_len: int, batched: int) -> LLM:
+    return LLM(PRESET, load_format="dummy", device="cuda", dtype="bfloat16", num_blocks=num_blocks,
+               block_size=16, max_model_len=max_model_len, max_num_batched_tokens=batched,
+               max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+               quantization=None if method == "bf16" else method)
+
+
+def batch1_itl(method: str) -> float:
+    llm = make_llm(method, max_num_seqs=8, num_blocks=1024, max_model_len=4096, batched=2048)
+    p = prompts(1, 128, llm.core.vocab_size)
+    ours_generate(llm, p, 8)
+    n = 256
+    ttft = ours_generate(llm, p, 1)
+    itl = (ours_generate(llm, p, n) - ttft) / (n - 1)
+    _free(llm)
+    return itl
+
+
+def throughput(method: str, num: int = 128, in_len: int = 512, out_len: int = 128) -> float:
+    max_len = in_len + out_len
+    llm = make_llm(method, max_num_seqs=num, num_blocks=num * (-(-max_len // 16)) + 64,
+                   max_model_len=max_len, batched=8192)
+    batch = prompts(num, in_len, llm.core.vocab_size, seed=2)
+    ours_generate(llm, batch[:4], 4)
+    t = ours_generate(llm, batch, out_len)
+    _free(llm)
+    return num * out_len / t
+
+
+def _free(llm: LLM) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="bf16,fp8,int8,gptq")
+    args = parser.parse_args()
+    copy_bw, _ = roofline()
+    _, bf16_bytes = num_params(PRESET)
+    record(bench="roofline_bf16_itl", model=PRESET, ms=round(bf16_bytes / copy_bw * 1e3, 3))
+    base_itl = None
+    for method in args.methods.split(","):
+        try:
+            itl = batch1_itl(method)
+        except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
+            record(bench="skipped", method=method, reason=str(e))
+            continue
+        base_itl = itl if method == "bf16" else base_itl
+        ratio = round(itl / base_itl, 3) if base_itl else None
+        record(bench="batch1_itl", model=PRESET, method=method, ms=round(itl * 1e3, 3), vs_bf16=ratio)
+        record(bench="throughput", model=PRESET, method=method, num_prompts=128, input_len=512, output_len=128,
+               tok_s=round(throughput(method)))
+    print("RESULTS " + json.dumps(RESULTS))
+
+
+if __name__ == "__main__":
+    main()

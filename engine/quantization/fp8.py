@@ -1,0 +1,83 @@
+"""FP8 W8A8 (online): weights become float8_e4m3fn with one fp32 scale per output
+channel (scale = amax(|w_row|) / 448); activations are quantized per token at run time
+(kernels/quant_ops.per_token_quant_fp8); the product runs on fp8 tensor cores through
+`torch._scaled_mm` on CUDA, and is emulated in fp32 from the same fp8 values on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.quantization.int8 import refuse_prequantized
+from kernels.quant_ops import FP8_MAX, fp8_linear
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] float8_e4m3fn, scale [N] fp32), weight ~= q * scale[:, None]."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.reshape(-1)[:, None]
+
+
+class Fp8Linear(nn.Module):
+    """x [T, in_features] -> [T, out_features] with an fp8 weight and fp8 activations."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if device.type == "cuda" and (in_features % 16 or out_features % 16):
+            raise ValueError(
+                f"fp8 on CUDA needs in/out features divisible by 16 (torch._scaled_mm); got "
+                f"{in_features} x {out_features}: use quantization 'int8' for this model"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        # [1, N]: the layout torch._scaled_mm takes for rowwise scale_b.
+        self.register_buffer("weight_scale", torch.empty(1, out_features, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    qweight: torch.Tensor  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor  # [1, N] fp32
+
+    def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        q, scale = quantize_fp8(weight)
+        self.qweight.copy_(q)
+        self.weight_scale.copy_(scale[None, :])
+        if self.bias is not None:
+            assert bias is not None
+            self.bias.data.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N]
+        return fp8_linear(x, self.qweight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 w8a8"
+
+
+class Fp8Method:
+    name = "fp8"
+    quantizes_checkpoint = False
+
+    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
+        refuse_prequantized(self.name, hf_config)
+
+    def create_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        output_sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> nn.Module:
+        return Fp8Linear(in_features, out_features, bias, dtype, device)

@@ -1,0 +1,85 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel): INT4 weights packed along the input dim, one
+scale and zero per (group, output), g_idx mapping each input to its group (act-order,
+desc_act, makes it a permutation rather than consecutive runs). Read from config.json's
+`quantization_config`; kernels/int4_reference.py describes the layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.quantization.int4_linear import Int4Linear, Int4Spec
+
+# checkpoint_format -> the offset added to a stored zero: v1 stores zero - 1.
+_FORMATS = {"gptq": 1, "gptq_v2": 0}
+DEFAULT_GROUP_SIZE = 128
+
+
+def read_group_size(method: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise ModelLoadError(
+            f"quantization_config.group_size {value!r} is not supported by {method}: use a positive "
+            "integer or -1 (one group)"
+        )
+    return value
+
+
+def read_bits(method: str, value: Any) -> None:
+    if value != 4:
+        raise ModelLoadError(
+            f"quantization_config.bits {value!r} is not supported by {method}: only 4-bit checkpoints load"
+        )
+
+
+def gptq_spec(hf_config: dict[str, Any]) -> Int4Spec:
+    """The layer spec a config.json declares; ModelLoadError naming an unsupported setting.
+    No quantization_config (load_format dummy): 4 bits, group size 128, format v1."""
+    qc = hf_config.get("quantization_config") or {}
+    declared = str(qc.get("quant_method", "gptq")).lower()
+    if declared != "gptq":
+        raise ModelLoadError(f"quantization_config.quant_method is {declared!r}, not 'gptq'")
+    read_bits("gptq", qc.get("bits", 4))
+    group_size = read_group_size("gptq", qc.get("group_size", DEFAULT_GROUP_SIZE))
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in _FORMATS or qc.get("is_marlin_format"):
+        raise ModelLoadError(
+            f"quantization_config.checkpoint_format {fmt!r} is not supported by gptq: "
+            f"supported {sorted(_FORMATS)} (the AutoGPTQ/GPTQModel layouts, not marlin repacks)"
+        )
+    for flag in ("desc_act", "sym"):
+        if not isinstance(qc.get(flag, False), bool):
+            raise ModelLoadError(f"quantization_config.{flag} {qc[flag]!r} must be true or false")
+    return Int4Spec("gptq", group_size, _FORMATS[fmt])
+
+
+class GptqMethod:
+    name = "gptq"
+    quantizes_checkpoint = True
+
+    def __init__(self, spec: Int4Spec | None = None) -> None:
+        self.spec = spec or Int4Spec("gptq", DEFAULT_GROUP_SIZE, 1)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any]) -> GptqMethod:
+        return cls(gptq_spec(hf_config))
+
+    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
+        spec = gptq_spec(hf_config)
+        if spec != self.spec:
+            raise ModelLoadError(f"gptq was configured for {self.spec}, but the checkpoint declares {spec}")
+
+    def create_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        output_sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> nn.Module:
+        assert sum(output_sizes) == out_features, (output_sizes, out_features)
+        return Int4Linear(self.spec, in_features, output_sizes, bias, dtype, device)

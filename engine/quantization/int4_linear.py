@@ -1,0 +1,210 @@
+"""The linear layer of GPTQ and AWQ checkpoints: packed INT4 tensors, named and laid out
+as in the checkpoint (kernels/int4_reference.py), filled shard by shard by the loader.
+
+Fused layers (qkv_proj, gate_up_proj) hold their parts side by side along the output
+dim: each part's qweight, qzeros, scales (and bias) fill a slice of columns, in packed
+units where the output dim is packed. Every tensor is checked against the shape the
+declared format implies, so a checkpoint that does not match its quantization_config is
+refused naming the tensor, instead of being read as garbage. Nothing dequantized is kept:
+each forward unpacks on the fly (Triton on CUDA, torch on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+from engine.errors import ModelLoadError
+from engine.quantization.int4_pack import PACK
+from kernels.int4_reference import group_index
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Spec:
+    """What a checkpoint's quantization_config declares, as the layer needs it."""
+
+    method: str  # "gptq" or "awq": the checkpoint layout
+    group_size: int  # -1: one group over all inputs
+    zero_offset: int  # GPTQ v1 stores zero - 1: 1; GPTQ v2 and AWQ: 0
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else -(-in_features // self.group_size)
+
+    def shapes(self, in_features: int, out_features: int) -> dict[str, tuple[int, ...]]:
+        """The checkpoint shape of each tensor of a linear with these features."""
+        groups = self.num_groups(in_features)
+        if self.method == "gptq":
+            qweight: tuple[int, ...] = (in_features // PACK, out_features)
+        else:
+            qweight = (in_features, out_features // PACK)
+        shapes = {
+            "qweight": qweight,
+            "qzeros": (groups, out_features // PACK),
+            "scales": (groups, out_features),
+            "bias": (out_features,),
+        }
+        if self.method == "gptq":
+            shapes["g_idx"] = (in_features,)
+        return shapes
+
+    def check_features(self, in_features: int, output_sizes: list[int]) -> None:
+        """Raise ModelLoadError when a layer of these features cannot be held in this format."""
+        bad_out = [size for size in output_sizes if size % PACK]
+        if bad_out:
+            raise ModelLoadError(
+                f"{self.method}: output features {bad_out} are not multiples of {PACK}, which the "
+                "packed qzeros need; this model cannot be loaded as an INT4 checkpoint"
+            )
+        if self.method == "gptq" and in_features % PACK:
+            raise ModelLoadError(f"gptq: in_features {in_features} is not a multiple of {PACK} (packed qweight rows)")
+        if self.method == "awq" and self.group_size != -1 and in_features % self.group_size:
+            raise ModelLoadError(
+                f"awq: in_features {in_features} is not a multiple of group_size {self.group_size}"
+            )
+
+
+class Int4Linear(nn.Module):
+    """x [T, in_features] -> [T, out_features] through INT4 weights of one format."""
+
+    qweight: torch.Tensor  # int32, GPTQ [K/8, N], AWQ [K, N/8]
+    qzeros: torch.Tensor  # int32 [G, N/8]
+    scales: torch.Tensor  # fp16 [G, N]
+    g_idx: torch.Tensor  # int32 [K] (GPTQ only)
+
+    def __init__(
+        self,
+        spec: Int4Spec,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        spec.check_features(in_features, output_sizes)
+        self.spec = spec
+        self.in_features = in_features
+        self.out_features = sum(output_sizes)
+        self.output_sizes = list(output_sizes)
+        # Output offsets of the parts: [0, q, q + k, ...].
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes) + 1)]
+        # act_order: g_idx is not groups of consecutive inputs, so the kernel gathers by it.
+        self.act_order = False
+        self._loaded: set[tuple[str, int]] = set()  # (tensor, part) pairs seen by load_shard
+        shapes = spec.shapes(in_features, self.out_features)
+        self.register_buffer("qweight", torch.zeros(shapes["qweight"], dtype=torch.int32, device=device))
+        self.register_buffer("qzeros", torch.zeros(shapes["qzeros"], dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(shapes["scales"], dtype=torch.float16, device=device))
+        if spec.method == "gptq":
+            self.register_buffer("g_idx", group_index(in_features, spec.group_size, device))
+        self.bias = (
+            nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{s.method}, in={self.in_features}, out={self.output_sizes}, group_size={s.group_size}"
+
+    def checkpoint_names(self) -> list[str]:
+        """The tensors one checkpoint part of this layer holds."""
+        names = list(self.spec.shapes(self.in_features, self.out_features))
+        return [n for n in names if n != "bias" or self.bias is not None]
+
+    def load_shard(self, param_name: str, tensor: torch.Tensor, shard_index: int | None = None) -> None:
+        """Copy one checkpoint tensor into part `shard_index` (None: the whole layer)."""
+        part = 0 if shard_index is None else shard_index
+        assert 0 <= part < len(self.output_sizes), f"part {part} of a layer of {len(self.output_sizes)} parts"
+        size = self.out_features if shard_index is None else self.output_sizes[part]
+        expected = self.spec.shapes(self.in_features, size).get(param_name)
+        if expected is None or (param_name == "bias" and self.bias is None):
+            hint = "; an unquantized checkpoint? unset quantization" if param_name == "weight" else ""
+            raise ModelLoadError(
+                f"{self.spec.method} checkpoint tensor {param_name!r} has no place in this layer "
+                f"(expected {self.checkpoint_names()}){hint}"
+            )
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(
+                f"{param_name} of {self.spec.method} part {part} (in={self.in_features}, out={size}, "
+                f"group_size={self.spec.group_size}): expected shape {expected}, found "
+                f"{tuple(tensor.shape)}; the checkpoint does not match its quantization_config"
+            )
+        integer = param_name in ("qweight", "qzeros", "g_idx")
+        if integer != (tensor.dtype == torch.int32) or (not integer and not tensor.is_floating_point()):
+            raise ModelLoadError(
+                f"{param_name} of {self.spec.method} part {part}: dtype {tensor.dtype} does not match the "
+                f"format ({'int32' if integer else 'a float type'} expected)"
+            )
+        self._loaded.add((param_name, part))
+        if param_name == "g_idx":
+            self._load_g_idx(tensor, part)
+            return
+        offset = self.offsets[part]
+        dest = self._dest(param_name).data
+        if (param_name == "qweight" and self.spec.method == "gptq") or param_name == "scales":
+            dest = dest.narrow(1, offset, size)
+        elif param_name in ("qweight", "qzeros"):
+            dest = dest.narrow(1, offset // PACK, size // PACK)
+        else:  # bias
+            dest = dest.narrow(0, offset, size)
+        dest.copy_(tensor)
+
+    def _dest(self, param_name: str) -> torch.Tensor:
+        dest = getattr(self, param_name)
+        assert isinstance(dest, torch.Tensor)
+        return dest
+
+    def _load_g_idx(self, tensor: torch.Tensor, part: int) -> None:
+        """Fused parts share their input, so their g_idx must agree: keep one."""
+        g_idx = tensor.to(torch.int32).cpu()
+        if any(name == "g_idx" and p != part for name, p in self._loaded) and not torch.equal(g_idx, self.g_idx.cpu()):
+            raise ModelLoadError(
+                f"g_idx of part {part} differs from an earlier part's of the same fused layer; "
+                "parts that share an input (q/k/v, gate/up) must be quantized with the same act-order"
+            )
+        num_groups = self.spec.num_groups(self.in_features)
+        if g_idx.numel() and not (int(g_idx.min()) >= 0 and int(g_idx.max()) < num_groups):
+            raise ModelLoadError(f"g_idx values must lie in [0, {num_groups}), found {int(g_idx.max())}")
+        self.g_idx.copy_(g_idx)
+        trivial = group_index(self.in_features, self.spec.group_size, g_idx.device)
+        self.act_order = not torch.equal(g_idx, trivial)
+
+    def finish_loading(self) -> None:
+        """Every part's tensors arrived (g_idx may be absent without act-order)."""
+        names = [n for n in self.checkpoint_names() if n != "g_idx"]
+        missing = [f"{n} of part {p}" for p in range(len(self.output_sizes)) for n in names if (n, p) not in self._loaded]
+        if missing:
+            raise ModelLoadError(
+                f"{self.spec.method} layer (in={self.in_features}, out={self.output_sizes}): the checkpoint "
+                f"lacks {', '.join(missing)}"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features)
+        g_idx = self.g_idx if self.act_order else None
+        s = self.spec
+        y = kernels.int4_gemm(flat, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, s.method, s.zero_offset)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    @torch.no_grad()
+    def init_dummy(self, generator: torch.Generator) -> None:
+        """Random valid tensors (load_format: dummy): any bits are valid nibbles; zeros near
+        the middle and scales chosen so weights have about the 0.02 spread of dummy weights."""
+        device = self.qweight.device
+        words = torch.randint(-(2**31), 2**31, self.qweight.shape, generator=generator, device=device)
+        self.qweight.copy_(words.to(torch.int32))
+        # Every zero 8, so weights are symmetric around 0 (GPTQ v1 stores zero - 1 = 7).
+        self.qzeros.fill_(0x77777777 if self.spec.zero_offset else 0x88888888 - 2**32)
+        self.scales.fill_(0.02 / 4.6)  # uniform 0..15 has std 4.6
+        if self.bias is not None:
+            self.bias.zero_()
+        if self.spec.method == "gptq":
+            self.g_idx.copy_(group_index(self.in_features, self.spec.group_size, device))
+        self.act_order = False

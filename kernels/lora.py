@@ -1,0 +1,76 @@
+"""Batched LoRA for a mixed batch (punica's shrink/expand): every token carries the slot
+of its adapter (-1: the base model), and one call serves all of them.
+
+    shrink:  s[t] = x[t] @ A[slot[t]].T             A: [L, N, K]  -> s: [T, N] fp32
+    expand:  y[t] += s[t] @ B[slot[t]].T            B: [L, M, R]  (y may be a column slice)
+
+`*_reference` are the definitions (a per-token gather) the tests compare against. The
+dispatch functions take the batch's tokens grouped by slot when the caller knows them on
+the host (`groups`: an eager step): then each adapter costs a gather and two matmuls, on
+any device. Without groups (a CUDA graph, whose slots change at every replay) they run
+the Triton kernels (kernels/triton_lora.py) on CUDA, and group on the spot on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # x: [T, K], a: [L, N, K], slots: [T] -> [T, N] fp32
+    gathered = a[slots.clamp(min=0).long()].float()  # [T, N, K]
+    s = torch.einsum("tk,tnk->tn", x.float(), gathered)
+    return s * (slots >= 0).unsqueeze(1)
+
+
+def lora_expand_reference(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
+    # y: [T, M] (updated in place), s: [T, R], b: [L, M, R], slots: [T]
+    gathered = b[slots.clamp(min=0).long()].float()  # [T, M, R]
+    delta = torch.einsum("tr,tmr->tm", s.float(), gathered) * (slots >= 0).unsqueeze(1)
+    y.copy_((y.float() + delta).to(y.dtype))
+
+
+# (slot, the indices of its tokens, or None: every token), one per adapter in the batch.
+SlotGroups = list[tuple[int, torch.Tensor | None]]
+
+
+def _groups(slots: torch.Tensor) -> SlotGroups:
+    """(slot, token indices) per adapter in the batch; None: every token."""
+    values = slots.unique().tolist()
+    if len(values) == 1:
+        return [] if values[0] < 0 else [(values[0], None)]
+    return [(v, (slots == v).nonzero().squeeze(1)) for v in values if v >= 0]
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None) -> torch.Tensor:
+    """x: [T, K], a: [L, N, K], slots: [T] (int, -1 = none) -> [T, N] fp32."""
+    if groups is None and x.is_cuda:
+        from kernels import triton_lora
+
+        return triton_lora.lora_shrink(x, a, slots)
+    s = x.new_zeros(x.shape[0], a.shape[1], dtype=torch.float32)
+    for slot, idx in _groups(slots) if groups is None else groups:
+        rows = x if idx is None else x[idx]
+        part = rows.float() @ a[slot].float().T
+        if idx is None:
+            s = part
+        else:
+            s[idx] = part
+    return s
+
+
+def lora_expand_add(
+    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None
+) -> None:
+    """y[t] += s[t] @ b[slots[t]].T in place; y: [T, M] (a column slice is fine), s: [T, R],
+    b: [L, M, R]."""
+    if groups is None and y.is_cuda:
+        from kernels import triton_lora
+
+        triton_lora.lora_expand_add(y, s, b, slots)
+        return
+    for slot, idx in _groups(slots) if groups is None else groups:
+        if idx is None:
+            y += (s @ b[slot].float().T).to(y.dtype)
+        else:
+            y[idx] += (s[idx] @ b[slot].float().T).to(y.dtype)
