@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import nn
-
 from engine.errors import ModelLoadError
 from engine.quantization.gptq import read_bits, read_group_size
-from engine.quantization.int4_linear import Int4Linear, Int4Spec
+from engine.quantization.int4_linear import Int4Method, Int4Spec
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -47,30 +44,7 @@ def awq_spec(hf_config: dict[str, Any]) -> Int4Spec:
     return Int4Spec("awq", group_size, 0)
 
 
-class AwqMethod:
+class AwqMethod(Int4Method):
     name = "awq"
-    quantizes_checkpoint = True
-
-    def __init__(self, spec: Int4Spec | None = None) -> None:
-        self.spec = spec or Int4Spec("awq", DEFAULT_GROUP_SIZE, 0)
-
-    @classmethod
-    def from_hf_config(cls, hf_config: dict[str, Any]) -> AwqMethod:
-        return cls(awq_spec(hf_config))
-
-    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
-        spec = awq_spec(hf_config)
-        if spec != self.spec:
-            raise ModelLoadError(f"awq was configured for {self.spec}, but the checkpoint declares {spec}")
-
-    def create_linear(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        output_sizes: list[int],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> nn.Module:
-        assert sum(output_sizes) == out_features, (output_sizes, out_features)
-        return Int4Linear(self.spec, in_features, output_sizes, bias, dtype, device)
+    default_spec = Int4Spec("awq", DEFAULT_GROUP_SIZE, 0)
+    read_spec = staticmethod(awq_spec)

@@ -6,12 +6,10 @@ channel (scale = amax(|w_row|) / 448); activations are quantized per token at ru
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from engine.quantization.int8 import refuse_prequantized
+from engine.quantization.online import OnlineMethod
 from kernels.quant_ops import FP8_MAX, fp8_linear
 
 
@@ -64,20 +62,6 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 w8a8"
 
 
-class Fp8Method:
+class Fp8Method(OnlineMethod):
     name = "fp8"
-    quantizes_checkpoint = False
-
-    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
-        refuse_prequantized(self.name, hf_config)
-
-    def create_linear(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        output_sizes: list[int],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> nn.Module:
-        return Fp8Linear(in_features, out_features, bias, dtype, device)
+    linear_class = Fp8Linear

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import nn
-
 from engine.errors import ModelLoadError
-from engine.quantization.int4_linear import Int4Linear, Int4Spec
+from engine.quantization.int4_linear import Int4Method, Int4Spec
 
 # checkpoint_format -> the offset added to a stored zero: v1 stores zero - 1.
 _FORMATS = {"gptq": 1, "gptq_v2": 0}
@@ -56,30 +53,7 @@ def gptq_spec(hf_config: dict[str, Any]) -> Int4Spec:
     return Int4Spec("gptq", group_size, _FORMATS[fmt])
 
 
-class GptqMethod:
+class GptqMethod(Int4Method):
     name = "gptq"
-    quantizes_checkpoint = True
-
-    def __init__(self, spec: Int4Spec | None = None) -> None:
-        self.spec = spec or Int4Spec("gptq", DEFAULT_GROUP_SIZE, 1)
-
-    @classmethod
-    def from_hf_config(cls, hf_config: dict[str, Any]) -> GptqMethod:
-        return cls(gptq_spec(hf_config))
-
-    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
-        spec = gptq_spec(hf_config)
-        if spec != self.spec:
-            raise ModelLoadError(f"gptq was configured for {self.spec}, but the checkpoint declares {spec}")
-
-    def create_linear(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        output_sizes: list[int],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> nn.Module:
-        assert sum(output_sizes) == out_features, (output_sizes, out_features)
-        return Int4Linear(self.spec, in_features, output_sizes, bias, dtype, device)
+    default_spec = Int4Spec("gptq", DEFAULT_GROUP_SIZE, 1)
+    read_spec = staticmethod(gptq_spec)

@@ -12,6 +12,7 @@ each forward unpacks on the fly (Triton on CUDA, torch on CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -208,3 +209,42 @@ class Int4Linear(nn.Module):
         if self.spec.method == "gptq":
             self.g_idx.copy_(group_index(self.in_features, self.spec.group_size, device))
         self.act_order = False
+
+
+class Int4Method:
+    """What GPTQ and AWQ share as quantization methods (engine/quantization/base.py): the
+    checkpoint holds packed INT4 tensors, and an Int4Linear of the declared spec takes
+    them. A format names itself, its default spec and how it reads config.json."""
+
+    name: ClassVar[str]
+    default_spec: ClassVar[Int4Spec]
+    quantizes_checkpoint = True
+
+    @staticmethod
+    def read_spec(hf_config: dict[str, Any]) -> Int4Spec:
+        """The spec config.json declares; ModelLoadError naming an unsupported setting."""
+        raise NotImplementedError
+
+    def __init__(self, spec: Int4Spec | None = None) -> None:
+        self.spec = spec or self.default_spec
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any]) -> Int4Method:
+        return cls(cls.read_spec(hf_config))
+
+    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
+        spec = self.read_spec(hf_config)
+        if spec != self.spec:
+            raise ModelLoadError(f"{self.name} was configured for {self.spec}, but the checkpoint declares {spec}")
+
+    def create_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        output_sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> nn.Module:
+        assert sum(output_sizes) == out_features, (output_sizes, out_features)
+        return Int4Linear(self.spec, in_features, output_sizes, bias, dtype, device)

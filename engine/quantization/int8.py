@@ -6,12 +6,10 @@ matmul dequantizes on the fly (kernels/quant_ops.int8_linear: Triton on CUDA).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
+from engine.quantization.online import OnlineMethod
 from kernels.quant_ops import int8_linear
 
 INT8_MAX = 127
@@ -61,33 +59,6 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-class Int8Method:
+class Int8Method(OnlineMethod):
     name = "int8"
-    quantizes_checkpoint = False
-
-    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
-        refuse_prequantized(self.name, hf_config)
-
-    def create_linear(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        output_sizes: list[int],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> nn.Module:
-        return Int8Linear(in_features, out_features, bias, dtype, device)
-
-
-def refuse_prequantized(method: str, hf_config: dict[str, Any]) -> None:
-    """Online methods quantize ordinary weights; a checkpoint that is already quantized
-    (any quantization_config) is not theirs to load."""
-    qc = hf_config.get("quantization_config")
-    if qc:
-        declared = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise ModelLoadError(
-            f"quantization {method!r} quantizes unquantized weights at load time, but the checkpoint "
-            f"is already quantized (quantization_config.quant_method {declared!r}); load an "
-            "unquantized (fp16/bf16/fp32) checkpoint"
-        )
+    linear_class = Int8Linear

@@ -1,0 +1,45 @@
+"""What the online methods (int8, fp8) share: the checkpoint holds ordinary weights, which
+load into the unquantized model first; each linear is then replaced by `linear_class`
+and filled through its `quantize_from(weight, bias)` (engine/quantization/base.py)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+
+
+class OnlineMethod:
+    name: ClassVar[str]
+    linear_class: ClassVar[type[nn.Module]]
+    quantizes_checkpoint = False
+
+    def check_hf_config(self, hf_config: dict[str, Any]) -> None:
+        refuse_prequantized(self.name, hf_config)
+
+    def create_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        output_sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> nn.Module:
+        return self.linear_class(in_features, out_features, bias, dtype, device)
+
+
+def refuse_prequantized(method: str, hf_config: dict[str, Any]) -> None:
+    """Online methods quantize ordinary weights; a checkpoint that is already quantized
+    (any quantization_config) is not theirs to load."""
+    qc = hf_config.get("quantization_config")
+    if qc:
+        declared = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ModelLoadError(
+            f"quantization {method!r} quantizes unquantized weights at load time, but the checkpoint "
+            f"is already quantized (quantization_config.quant_method {declared!r}); load an "
+            "unquantized (fp16/bf16/fp32) checkpoint"
+        )
