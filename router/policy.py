@@ -21,6 +21,7 @@ class InstanceLoad:
     kv_cache_usage: float = 0.0  # 0..1
     num_cached_blocks: int = 0  # leading blocks of this prompt the instance holds (prefix index)
     lora_resident: bool = False  # the request's LoRA adapter sits in a slot there (no swap-in)
+    lora_loaded: bool = True  # the request's LoRA adapter (if any) is loaded there
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +96,11 @@ def rank(
     num_prompt_blocks: int = 0,
     weights: PrefixWeights | None = None,
 ) -> list[str]:
-    """The instances to try, in order, under `policy`."""
+    """The instances to try, in order, under `policy`. A request for a LoRA adapter goes
+    only to instances that report it loaded, or to all when none does yet (an adapter just
+    loaded through the API shows in their stats at the next poll)."""
     rng = rng or random.Random(turn)
+    loads = [load for load in loads if load.lora_loaded] or list(loads)
     if policy == "round_robin":
         return round_robin(loads, turn)
     if policy == "power_of_two":

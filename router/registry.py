@@ -48,6 +48,7 @@ class Instance:
             kv_cache_usage=self.stats.kv_cache_usage,
             num_cached_blocks=num_cached_blocks,
             lora_resident=lora_name is not None and lora_name in self.stats.lora_resident_names,
+            lora_loaded=lora_name is None or lora_name in self.stats.lora_names,
         )
 
 

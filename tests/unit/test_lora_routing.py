@@ -1,12 +1,13 @@
-"""The router's LoRA term: an instance where the request's adapter is resident wins a tie,
-prefix overlap still outweighs it, and the Stats residency reaches the scoring input."""
+"""The router's LoRA terms: only instances with the request's adapter loaded are tried, one
+where it is resident wins a tie, prefix overlap still outweighs that, and the Stats
+residency reaches the scoring input."""
 
 from __future__ import annotations
 
 import random
 
 from proto import cluster_pb2 as pb
-from router.policy import InstanceLoad, PrefixWeights, prefix_aware
+from router.policy import InstanceLoad, PrefixWeights, prefix_aware, rank
 from router.registry import Instance
 
 
@@ -30,3 +31,16 @@ def test_instance_load_reads_residency_from_stats() -> None:
     assert instance.load(0, "a").lora_resident
     assert not instance.load(0, "b").lora_resident
     assert not instance.load(0, None).lora_resident
+    assert instance.load(0, "b").lora_loaded and not instance.load(0, "c").lora_loaded
+    assert instance.load(0, None).lora_loaded
+
+
+def test_only_instances_with_the_adapter_are_tried() -> None:
+    """Under every policy, an instance without the adapter is never tried while one has it;
+    when none reports it yet (loaded a moment ago), all are tried."""
+    loads = [InstanceLoad("without", True, 0, lora_loaded=False), InstanceLoad("with", True, 5)]
+    for policy in ("round_robin", "power_of_two", "prefix_aware", "least_loaded"):
+        for turn in range(4):
+            assert rank(policy, loads, turn, random.Random(turn), 4) == ["with"]
+    nobody = [InstanceLoad("a", True, 0, lora_loaded=False), InstanceLoad("b", True, 0, lora_loaded=False)]
+    assert sorted(rank("least_loaded", nobody, 0)) == ["a", "b"]
