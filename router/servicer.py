@@ -45,6 +45,7 @@ from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import sampling_params_from_proto
 from proto.rpc import abort as _abort
 from proto.rpc import scrub
+from router.admission import AdmissionQueue
 from router.config import RouterConfig
 from router.handoff import Handoff, HandoffState
 from router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
@@ -93,8 +94,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._max_model_len = max_model_len
         self._active: dict[str, Handoff] = {}
         self._lock = threading.Lock()
-        self._room = threading.Condition()  # notified whenever a request leaves a decode instance
-        self._num_queued = 0  # requests waiting for room (admission control)
+        self._admission = AdmissionQueue(config.max_queued_requests)
         self._turn = 0
 
     # ---- client API
@@ -218,8 +218,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             yield from self._relay(handoff, decode, call, timings, arrival, context, progress)
         finally:
             self._registry.release(decode)
-            with self._room:  # its blocks are free (or about to be): queued requests try again
-                self._room.notify_all()
+            self._admission.room_freed()  # queued requests try again
 
     def _finish_without_decode(
         self, request: pb.WorkerRequest, progress: Progress, timings: pb.Timings, arrival: float
@@ -265,23 +264,20 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     abort(context, grpc.StatusCode.UNAVAILABLE,
                           f"no healthy decode instance ({'; '.join(down) or 'none registered'}); retry later")
                 if not queued:
-                    with self._room:
-                        if self._num_queued >= self._config.max_queued_requests:
-                            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"every decode instance is full and {self._num_queued} requests are queued; retry later")
-                        self._num_queued += 1
-                        queued = True
+                    queued = self._admission.enter()
+                    if not queued:
+                        abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"every decode instance is full and {self._admission.num_queued} requests are queued; "
+                              "retry later")
                 if time.monotonic() >= deadline:
                     abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"no decode instance had room within {self._config.queue_timeout_s:g}s ({'; '.join(full)}); retry later")
                 if handoff.state == HandoffState.ABORTED:
                     _end_aborted(context, handoff)
-                with self._room:
-                    self._room.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+                self._admission.wait_for_room(deadline - time.monotonic())
         finally:
             if queued:
-                with self._room:
-                    self._num_queued -= 1
+                self._admission.leave()
 
     def _try_reserve(
         self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
