@@ -23,7 +23,6 @@ Roles:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,6 +41,13 @@ from engine.models import CausalLM, ModelArchConfig
 from engine.parallel.executor import ParallelExecutor
 from engine.parallel.topology import check_expert_parallel
 from engine.request import Request, RequestId, RequestStatus
+from engine.resolve import (
+    available_memory_bytes,
+    max_model_len,
+    resolve_device,
+    resolve_dtype,
+    use_async_scheduling,
+)
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate, SampledToken, Scheduler
@@ -49,7 +55,6 @@ from engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +95,8 @@ class EngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.model.dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.source: ModelSource = resolve(config.model)
         if self.source.quantization is not None and config.parallel.world_size > 1:
             raise ConfigError(
@@ -130,7 +135,7 @@ class EngineCore:
                 "scheduler.max_model_len"
             )
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        use_async = _use_async_scheduling(config, self.device)
+        use_async = use_async_scheduling(config, self.device)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv, async_scheduling=use_async)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:  # before the runner: its CUDA graphs capture the LoRA kernels
@@ -200,7 +205,7 @@ class EngineCore:
             block_bytes = self.executor.kv_cache_block_bytes(cache.block_size, self.dtype, self._transfer_mirror)
         else:
             block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.dtype)
-        return max(1, int(_available_memory_bytes(self.device) * cache.memory_fraction) // block_bytes)
+        return max(1, int(available_memory_bytes(self.device) * cache.memory_fraction) // block_bytes)
 
     @property
     def _transfer_mirror(self) -> bool:
@@ -412,54 +417,6 @@ class EngineCore:
             lora_names=tuple(self.list_loras()),
             lora_resident_names=tuple(self.lora.resident_names) if self.lora is not None else (),
         )
-
-
-def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    if config.async_scheduling is not None:
-        return config.async_scheduling
-    # On CPU every op runs when called: nothing to overlap with.
-    return device.type == "cuda" and config.role != "prefill" and config.parallel.world_size == 1
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} asked for, but no CUDA device is available: use device: cpu")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # bf16 matmuls are slow on most CPUs; fp32 there, bf16 on GPUs.
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]
-
-
-def max_model_len(config: EngineConfig, max_position: int) -> int:
-    """The context length an engine of `config` serves (the model's, unless set lower)."""
-    asked = config.scheduler.max_model_len
-    if asked is None:
-        return max_position
-    if asked > max_position:
-        raise ConfigError(
-            f"scheduler.max_model_len {asked} exceeds the model's context length {max_position}: lower it"
-        )
-    return asked
-
-
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
 
 
 __all__ = ["EngineCore", "EngineStats"]

@@ -15,9 +15,9 @@ import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.config import EngineConfig
-from engine.engine_core import max_model_len
 from engine.loader import resolve
 from engine.models.config import ModelArchConfig
+from engine.resolve import max_model_len
 from engine.tokenizer import load_tokenizer
 from kv_index import PrefixIndex
 from proto import cluster_pb2_grpc as pb_grpc
