@@ -421,7 +421,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
     def _worker_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.WorkerRequest:
         lora_name = msg.model if msg.model and msg.model != self._model_name else ""
         if lora_name and lora_name not in self.loras.known():
-            abort(context, grpc.StatusCode.NOT_FOUND, f"The model `{msg.model}` does not exist.")
+            served = " and the LoRA adapters " + ", ".join(sorted(self.loras.known())) if self.loras.known() else ""
+            abort(context, grpc.StatusCode.NOT_FOUND,
+                  f"The model `{msg.model}` does not exist. This cluster serves '{self._model_name}'{served}.")
         try:
             sampling_params_from_proto(msg.sampling_params)  # validate here, with a clear message
             prompt = self._tokenize(msg)

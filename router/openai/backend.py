@@ -41,7 +41,11 @@ def api_error(e: grpc.RpcError) -> ApiError:
     status = _HTTP_STATUS.get(code, 500)
     retry = RETRY_AFTER_S if status in (429, 503) else None
     details = e.details() or code.name
-    param = "model" if code == grpc.StatusCode.NOT_FOUND and details.startswith("The model `") else None
+    param = None
+    if code == grpc.StatusCode.NOT_FOUND and details.startswith("The model `"):
+        # vLLM's message, word for word (clients match it); the router's gRPC one goes on
+        # to name what is served.
+        param, details = "model", details.split(" does not exist.")[0] + " does not exist."
     return ApiError(status, details, param, retry_after_s=retry)
 
 
