@@ -2,14 +2,24 @@
 
 Tests that need other cache or scheduler settings call `smollm2.derive(...)`, which builds
 a new engine over the same weights in well under a second.
+
+Without a GPU the Triton kernels run under the interpreter (tests/kernels). Triton reads
+TRITON_INTERPRET when it is first imported, and libraries loaded by other tests (peft,
+transformers' integrations) may import it long before tests/kernels is collected, so it
+is set here, before anything else. The engine never runs Triton on CPU tensors, so
+nothing else is affected.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import LLM
 

@@ -1,7 +1,8 @@
 """Kernel tests run the Triton kernels under the interpreter when there is no GPU.
 
-TRITON_INTERPRET must be set before triton is first imported, so it is set here, when
-pytest collects this folder, rather than in each test file.
+TRITON_INTERPRET must be set before triton is first imported: tests/conftest.py sets it
+for the whole session (other tests' libraries may import triton first); it is set here too
+for a run of this folder with another rootdir conftest.
 """
 
 from __future__ import annotations
