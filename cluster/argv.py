@@ -18,7 +18,7 @@ def worker_argv(deployment: Deployment, plan: InstancePlan, redis_url: str, kv_h
     its KV listener binds and is reached; default cluster.host, or the node's address when
     that is a wildcard."""
     cluster = deployment.cluster
-    host = cluster.host or "0.0.0.0"
+    host = cluster.host or "127.0.0.1"  # unset: loopback; listening everywhere is asked for by name
     kv_host = kv_host or ("{node_ip}" if host in ANY_HOST else host)
     argv = [
         "{python}", "-m", f"{plan.role}_service", "--config", "{config}", "--ready-file", "{ready}",

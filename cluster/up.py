@@ -174,7 +174,7 @@ class _Up:
             self.plans = check_layout(self.deployment, ray_head.ray_resources())
             router = self.deployment.router
             ports = {p: k for p, k in listen_ports(self.deployment, []).items() if k.startswith("router.")}
-            check_ports_free(self.deployment, ports, router.host or "0.0.0.0")
+            check_ports_free(self.deployment, ports, router.host or "127.0.0.1")
             return address
         if self.args.detach:
             address, self.head = ray_head.start_head(self.log_dir / "ray-head.log", num_cpus)
@@ -204,7 +204,7 @@ def _check_here(deployment: Deployment) -> list[InstancePlan]:
     from cluster.ray_head import local_resources
 
     plans = check_layout(deployment, local_resources(deployment.engine.device))
-    check_ports_free(deployment, listen_ports(deployment, plans), deployment.cluster.host or "0.0.0.0")
+    check_ports_free(deployment, listen_ports(deployment, plans), deployment.cluster.host or "127.0.0.1")
     return plans
 
 
