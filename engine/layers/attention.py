@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
@@ -27,8 +28,8 @@ class Attention(nn.Module):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=False)
         # Qwen3 normalises each head of q and k before the rotation.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None

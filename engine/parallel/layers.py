@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.parallel.groups import Group
+from kernels import linear
 
 
 class RowParallelLinear(nn.Module):
@@ -25,7 +26,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # x: [T, in / tp] -> [T, out], partial
+        y = linear(x, self.weight)  # x: [T, in / tp] -> [T, out], partial
         self.group.all_reduce_(y)
         return y
 
