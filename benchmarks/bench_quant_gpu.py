@@ -1,7 +1,7 @@
 """Quantized decoding on one H200: bf16 against FP8 W8A8 and INT8 weight-only (and INT4,
 where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same run.
 
-    PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq]
+    PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput]
 
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
 (time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs) and offline
@@ -69,6 +69,7 @@ def _free(llm: LLM) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="bf16,fp8,int8,gptq")
+    parser.add_argument("--no-throughput", action="store_true", help="batch-1 ITL only (a shorter run)")
     args = parser.parse_args()
     copy_bw, _ = roofline()
     _, bf16_bytes = num_params(PRESET)
@@ -83,8 +84,9 @@ def main() -> None:
         base_itl = itl if method == "bf16" else base_itl
         ratio = round(itl / base_itl, 3) if base_itl else None
         record(bench="batch1_itl", model=PRESET, method=method, ms=round(itl * 1e3, 3), vs_bf16=ratio)
-        record(bench="throughput", model=PRESET, method=method, num_prompts=128, input_len=512, output_len=128,
-               tok_s=round(throughput(method)))
+        if not args.no_throughput:
+            record(bench="throughput", model=PRESET, method=method, num_prompts=128, input_len=512,
+                   output_len=128, tok_s=round(throughput(method)))
     print("RESULTS " + json.dumps(RESULTS))
 
 

@@ -3,11 +3,15 @@ point of each (Triton / cuBLAS on CUDA tensors, torch elsewhere).
 
 - INT8 weight-only: w [N, K] int8, one fp32 scale per output row;
   y = x @ (w * scale[:, None]).T + bias.
-- FP8 W8A8: w [N, K] float8_e4m3fn, one fp32 scale per output row; x is quantized per
-  token at run time (`per_token_quant_fp8`); y = (xq @ wq.T) * x_scale * w_scale + bias,
-  accumulated in fp32. On CUDA the product is `torch._scaled_mm` (rowwise scales); the CPU
-  path computes the same product in fp32 from the same fp8 values, so CPU tests see the
-  numerics of the GPU path up to the order of the fp32 sums.
+- FP8: w [N, K] float8_e4m3fn, one fp32 scale per output row. Two products, chosen by the
+  number of rows of x alone (so a CUDA graph captures one of them):
+  - up to FP8_WEIGHT_ONLY_MAX_ROWS (decode), w8a16: y = x @ (wq * w_scale).T + bias, the
+    weight read once in fp8 and widened in registers (one Triton launch, x not quantized);
+  - above (prefill, large batches), W8A8: x is quantized per token at run time
+    (`per_token_quant_fp8`); y = (xq @ wq.T) * x_scale * w_scale + bias, on fp8 tensor
+    cores through `torch._scaled_mm` (rowwise scales).
+  Both accumulate in fp32. The CPU path computes the same products in fp32 from the same
+  fp8 values, so CPU tests see the numerics of the GPU path up to the order of the sums.
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ _CPU_CHUNK_ELEMS = 1 << 20
 # On CUDA, above this many rows dequantize once and let cuBLAS multiply (compute-bound);
 # at or below it the Triton kernel reads int8 directly (bandwidth-bound).
 _INT8_TRITON_MAX_ROWS = 256
+# Up to this many rows FP8 runs weight-only (a decode step reads the weight once: fp8 tensor
+# cores gain nothing, and quantizing x would be a second launch); above, W8A8 on _scaled_mm.
+FP8_WEIGHT_ONLY_MAX_ROWS = 16
+# Rows up to which 1-byte weights take the GEMV (kernels/triton_gemv.py): it repeats the
+# weight's conversion for each row, and at 4 rows the 16-row tiles were faster on the H200.
+_W8_GEMV_MAX_ROWS = 1
 
 
 def int8_linear_reference(
@@ -49,7 +59,24 @@ def per_token_quant_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def fp8_linear_reference(
     x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """The definition; weight_scale: [N] or [1, N] fp32."""
+    """The definition of `fp8_linear`: weight-only up to FP8_WEIGHT_ONLY_MAX_ROWS rows of x,
+    W8A8 above. weight_scale: [N] or [1, N] fp32."""
+    if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:
+        return fp8_weight_only_reference(x, qweight, weight_scale, bias)
+    return fp8_w8a8_reference(x, qweight, weight_scale, bias)
+
+
+def fp8_weight_only_reference(
+    x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """w8a16: x @ (wq * w_scale).T + bias in fp32, x as it is."""
+    return int8_linear_reference(x, qweight, weight_scale.reshape(-1), bias)
+
+
+def fp8_w8a8_reference(
+    x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """W8A8: x quantized per token, (xq @ wq.T) * x_scale * w_scale + bias in fp32."""
     xq, x_scale = per_token_quant_fp8_reference(x)
     y = (xq.float() @ qweight.float().t()) * x_scale * weight_scale.reshape(1, -1)
     if bias is not None:
@@ -62,14 +89,29 @@ def int8_linear(
 ) -> torch.Tensor:
     """x: [M, K]; qweight: [N, K] int8; scale: [N] fp32; bias: [N] | None -> [M, N]."""
     if not x.is_cuda:
-        # The per-row scale factors out of the K sum: scale the [M, rows] product, not the weight.
-        return _chunked_over_n(x, qweight, bias, lambda w, rows: (x @ w.to(x.dtype).t()) * scale[rows].to(x.dtype))
+        return _weight_only_cpu(x, qweight, scale, bias)
     if x.shape[0] > _INT8_TRITON_MAX_ROWS:
         # int8 -> x.dtype is exact; scaling the product, not the weight, rounds once.
         y = torch.nn.functional.linear(x, qweight.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
+    return _w8_triton(x, qweight, scale, bias)
+
+
+def _weight_only_cpu(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """int8 and fp8 values are exact in x's dtype. The per-row scale factors out of the K
+    sum: scale the [M, rows] product, not the weight. scale: [N] fp32."""
+    return _chunked_over_n(x, qweight, bias, lambda w, rows: (x @ w.to(x.dtype).t()) * scale[rows].to(x.dtype))
+
+
+def _w8_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The weight-only Triton kernels for 1-byte weights: the GEMV for a few rows, else tiles."""
+    from kernels.triton_gemv import gemv_w8
     from kernels.triton_int8_gemm import int8_gemm
 
+    if x.shape[0] <= _W8_GEMV_MAX_ROWS:
+        return gemv_w8(x, qweight, scale, bias)
     return int8_gemm(x.contiguous(), qweight, scale, bias)
 
 
@@ -86,6 +128,10 @@ def fp8_linear(
     x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x: [M, K]; qweight: [N, K] float8_e4m3fn; weight_scale: [1, N] fp32 -> [M, N]."""
+    if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:
+        if not x.is_cuda:
+            return _weight_only_cpu(x, qweight, weight_scale.reshape(-1), bias)
+        return _w8_triton(x, qweight, weight_scale, bias)
     xq, x_scale = per_token_quant_fp8(x)
     if not x.is_cuda:
         xf = xq.float()

@@ -4,7 +4,9 @@ Each program unpacks a [BLOCK_K, BLOCK_N] tile of 4-bit weights (the layouts of
 kernels/int4_reference.py), subtracts the zeros and multiplies by the scales in fp32.
 Groups of consecutive inputs (`g_idx` None) read one row of scales and zeros per tile;
 act-order (`g_idx` given) gathers them per input row. Three paths by the number of rows:
-- up to GEMV_MAX_ROWS (batch-1 decode): CUDA-core dot products per row, K split across
+- one row without act-order (batch-1 decode): kernels/triton_int4_gemv.py (one launch,
+  float-trick unpack);
+- otherwise up to GEMV_MAX_ROWS: CUDA-core dot products per row here, K split across
   programs (SPLIT_K) that add into an fp32 output: decode is memory-bound and has few
   output tiles;
 - up to DEQUANT_MIN_ROWS: tl.dot on 16-row tiles, also split-K;
@@ -20,8 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows of x up to which the GEMV variant runs; above DEQUANT_MIN_ROWS the weight is
-# dequantized to x's dtype and multiplied by cuBLAS.
+from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+
+# Rows of x up to which the split-K GEMV of kernels/triton_int4_gemv.py runs (it repeats
+# the unpack for each row: at 4 rows it was 2-3x slower than at 1 on the H200), then the
+# GEMV variant here; above DEQUANT_MIN_ROWS the weight is dequantized to x's dtype and
+# multiplied by cuBLAS.
+SPLIT_K_GEMV_MAX_ROWS = 1
 GEMV_MAX_ROWS = 4
 DEQUANT_MIN_ROWS = 128
 
@@ -217,6 +224,9 @@ def int4_gemm(
         g_idx = torch.arange(k, device=x.device, dtype=torch.int32) // group
     if config is None and m > DEQUANT_MIN_ROWS:
         return x @ dequantize(qweight, qzeros, scales, g_idx, group, layout, zero_offset, x.dtype)
+    if config is None and m <= SPLIT_K_GEMV_MAX_ROWS and g_idx is None:
+        gemv = pick_gemv_config(m, n, k, group, _num_sms(x.device), layout)
+        return gemv_int4(x, qweight, qzeros, scales, None, group, layout, zero_offset, gemv)
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
     block_k = cfg.block_k if g_idx is not None else _fit_block_k(cfg.block_k, group)
     if cfg.split_k == 1:

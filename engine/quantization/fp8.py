@@ -1,7 +1,9 @@
-"""FP8 W8A8 (online): weights become float8_e4m3fn with one fp32 scale per output
-channel (scale = amax(|w_row|) / 448); activations are quantized per token at run time
-(kernels/quant_ops.per_token_quant_fp8); the product runs on fp8 tensor cores through
-`torch._scaled_mm` on CUDA, and is emulated in fp32 from the same fp8 values on CPU.
+"""FP8 (online): weights become float8_e4m3fn with one fp32 scale per output channel
+(scale = amax(|w_row|) / 448). Up to kernels/quant_ops.FP8_WEIGHT_ONLY_MAX_ROWS rows
+(decode) the product is weight-only (w8a16: a Triton GEMV / tile kernel widens the fp8
+weight in registers); above, W8A8: activations are quantized per token at run time
+(kernels/quant_ops.per_token_quant_fp8) and the product runs on fp8 tensor cores through
+`torch._scaled_mm`. On CPU both are emulated in fp32 from the same fp8 values.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.qweight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 w8a8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 (w8a16 decode, w8a8 prefill)"
 
 
 class Fp8Method(OnlineMethod):

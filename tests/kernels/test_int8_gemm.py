@@ -41,6 +41,20 @@ def test_int8_gemm_matches_reference(dtype: torch.dtype, m: int, n: int, k: int,
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_gemm_takes_fp8_weights(dtype: torch.dtype) -> None:
+    """FP8's weight-only decode path (up to 16 rows) runs the same tiles on fp8 codes."""
+    from engine.quantization.fp8 import quantize_fp8
+    from kernels.triton_int8_gemm import int8_gemm
+
+    qweight, scale = quantize_fp8(randn(33, 300, seed=12))
+    x = randn(5, 300, dtype=dtype, seed=13)
+    bias = randn(33, dtype=dtype, seed=14)
+    expected = quant_ops.fp8_weight_only_reference(x, qweight, scale, bias)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(int8_gemm(x, qweight, scale[None, :].contiguous(), bias), expected, atol=tol, rtol=tol)
+
+
 def test_int8_gemm_reads_strided_input() -> None:
     """A column slice of a wider activation (as qkv splits produce) needs no copy."""
     from kernels.triton_int8_gemm import int8_gemm
