@@ -7,6 +7,11 @@ units where the output dim is packed. Every tensor is checked against the shape 
 declared format implies, so a checkpoint that does not match its quantization_config is
 refused naming the tensor, instead of being read as garbage. Nothing dequantized is kept:
 each forward unpacks on the fly (Triton on CUDA, torch on CPU).
+
+AWQ is loaded in its own layout, then repacked once into GPTQ's (packed along the input
+dim, sequential zeros, zero offset 0: GPTQ v2), which dequantizes to the same weights:
+AWQ's packing along the output dim with an interleave costs its kernels a per-element
+shuffle, and was 1.4x slower than GPTQ's at batch 1 on the H200 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from torch import nn
 
 import kernels
 from engine.errors import ModelLoadError
-from engine.quantization.int4_pack import PACK
-from kernels.int4_reference import group_index
+from engine.quantization.int4_pack import PACK, pack_cols, pack_rows
+from kernels.int4_reference import group_index, unpack_cols
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,8 @@ class Int4Linear(nn.Module):
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes) + 1)]
         # act_order: g_idx is not groups of consecutive inputs, so the kernel gathers by it.
         self.act_order = False
+        # The layout the tensors are in now: the checkpoint's, until AWQ is repacked as GPTQ.
+        self.layout = spec.method
         self._loaded: set[tuple[str, int]] = set()  # (tensor, part) pairs seen by load_shard
         shapes = spec.shapes(in_features, self.out_features)
         self.register_buffer("qweight", torch.zeros(shapes["qweight"], dtype=torch.int32, device=device))
@@ -120,6 +127,7 @@ class Int4Linear(nn.Module):
         """Copy one checkpoint tensor into part `shard_index` (None: the whole layer)."""
         part = 0 if shard_index is None else shard_index
         assert 0 <= part < len(self.output_sizes), f"part {part} of a layer of {len(self.output_sizes)} parts"
+        assert self.layout == self.spec.method, "this layer finished loading and was repacked"
         size = self.out_features if shard_index is None else self.output_sizes[part]
         expected = self.spec.shapes(self.in_features, size).get(param_name)
         if expected is None or (param_name == "bias" and self.bias is None):
@@ -183,13 +191,24 @@ class Int4Linear(nn.Module):
                 f"{self.spec.method} layer (in={self.in_features}, out={self.output_sizes}): the checkpoint "
                 f"lacks {', '.join(missing)}"
             )
+        self._repack_awq_as_gptq()
+
+    @torch.no_grad()
+    def _repack_awq_as_gptq(self) -> None:
+        """AWQ qweight [K, N/8] and qzeros (interleaved along N) -> GPTQ v2 qweight [K/8, N]
+        and sequential qzeros; scales keep their layout. Same dequantized weights."""
+        if self.layout != "awq" or self.in_features % PACK:
+            return
+        self.qweight = pack_rows(unpack_cols(self.qweight, "awq"))
+        self.qzeros = pack_cols(unpack_cols(self.qzeros, "awq"), "gptq")
+        self.layout = "gptq"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)
         g_idx = self.g_idx if self.act_order else None
         s = self.spec
-        y = kernels.int4_gemm(flat, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, s.method, s.zero_offset)
+        y = kernels.int4_gemm(flat, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -209,6 +228,7 @@ class Int4Linear(nn.Module):
         if self.spec.method == "gptq":
             self.g_idx.copy_(group_index(self.in_features, self.spec.group_size, device))
         self.act_order = False
+        self._repack_awq_as_gptq()
 
 
 class Int4Method:

@@ -73,7 +73,7 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
     in_features, out_features = q.shape
     assert in_features % PACK == 0, f"{in_features} rows are not a multiple of {PACK}"
     values = q.long().reshape(in_features // PACK, PACK, out_features)
-    shifts = torch.arange(0, 32, 4, dtype=torch.long)[None, :, None]
+    shifts = torch.arange(0, 32, 4, dtype=torch.long, device=q.device)[None, :, None]
     return _to_int32((values << shifts).sum(dim=1))
 
 
@@ -85,7 +85,7 @@ def pack_cols(q: torch.Tensor, layout: str) -> torch.Tensor:
     values = q.long().reshape(rows, cols // PACK, PACK)
     if layout == "awq":
         values = values[..., list(AWQ_ORDER)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.long)
+    shifts = torch.arange(0, 32, 4, dtype=torch.long, device=q.device)
     return _to_int32((values << shifts).sum(dim=-1))
 
 

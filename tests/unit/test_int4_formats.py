@@ -189,6 +189,23 @@ def test_fused_shards_equal_separate_layers(spec: Int4Spec) -> None:
     torch.testing.assert_close(fused(x), torch.cat(expected, dim=1), rtol=0, atol=1e-6)
 
 
+def test_awq_is_repacked_as_gptq_with_the_same_weights() -> None:
+    """After loading, an AWQ layer holds GPTQ v2 tensors (packed along K, sequential zeros)
+    that dequantize to exactly the checkpoint's AWQ weights."""
+    layer = Int4Linear(Int4Spec("awq", 16, 0), 32, [24], bias=False, dtype=torch.float32, device=torch.device("cpu"))
+    weights = quantize_rtn(torch.randn(24, 32, generator=torch.Generator().manual_seed(3)), 16, sym=False, min_zero=0)
+    tensors = pack_awq(weights)
+    for name, tensor in tensors.items():
+        layer.load_shard(name, tensor)
+    layer.finish_loading()
+    assert layer.layout == "gptq" and tuple(layer.qweight.shape) == (4, 24) and tuple(layer.qzeros.shape) == (2, 3)
+    awq = dequantize(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, 16, "awq", 0)
+    assert torch.equal(dequantize(layer.qweight, layer.qzeros, layer.scales, None, 16, "gptq", 0), awq)
+    assert torch.equal(awq, (weights.q - weights.zeros.repeat_interleave(16, 0)).float() * weights.scales.float().repeat_interleave(16, 0))
+    with pytest.raises(AssertionError, match="repacked"):
+        layer.load_shard("scales", tensors["scales"])
+
+
 def test_wrong_shaped_qzeros_is_named() -> None:
     layer = qkv_layer(Int4Spec("gptq", 16, 1), [16, 8, 8])
     with pytest.raises(ModelLoadError) as info:
