@@ -82,6 +82,7 @@ class _Job:
     prompt_lengths: list[int]
     n: int
     choices: list[_Choice]
+    model: str  # what responses name: the adapter the request asked for, else the served model
 
 
 class OpenAIServing:
@@ -102,7 +103,7 @@ class OpenAIServing:
         await self._collect(job)
         with_logprobs = body.logprobs is not None
         return {
-            "id": job.id, "object": "text_completion", "created": job.created, "model": self.model_name,
+            "id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
             "choices": [
                 {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                  "logprobs": self._completion_logprobs(c.logprobs, 0) if with_logprobs else None}
@@ -123,7 +124,7 @@ class OpenAIServing:
                     offsets[piece.index] += len(r.text)
                 yield sse(self._chunk(job, "text_completion", choice, body.include_usage))
         if body.include_usage:
-            yield sse({"id": job.id, "object": "text_completion", "created": job.created, "model": self.model_name,
+            yield sse({"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
                        "choices": [], "usage": self._usage(job)})
 
     # ---- chat completions
@@ -136,7 +137,7 @@ class OpenAIServing:
             return await self._start_stream(job, lambda pieces: self._chat_chunks(job, body, pieces))
         await self._collect(job)
         return {
-            "id": job.id, "object": "chat.completion", "created": job.created, "model": self.model_name,
+            "id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
             "choices": [
                 {"index": c.index, "message": {"role": "assistant", "content": c.text},
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
@@ -162,7 +163,7 @@ class OpenAIServing:
                 yield sse(self._chunk(job, "chat.completion.chunk", choice, body.include_usage))
         if body.include_usage:
             yield sse({"id": job.id, "object": "chat.completion.chunk", "created": job.created,
-                       "model": self.model_name, "choices": [], "usage": self._usage(job)})
+                       "model": job.model, "choices": [], "usage": self._usage(job)})
 
     # ---- responses
 
@@ -189,7 +190,7 @@ class OpenAIServing:
                      "output_tokens": c.usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens}
         return {
-            "id": job.id, "object": "response", "created_at": job.created, "status": status, "model": self.model_name,
+            "id": job.id, "object": "response", "created_at": job.created, "status": status, "model": job.model,
             "output": output, "usage": usage, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -288,7 +289,7 @@ class OpenAIServing:
                     request.sampling_params.seed = params.seed + j  # n samples, reproducible, not identical
                 requests.append(request)
         choices = [_Choice(k) for k in range(len(requests))]
-        return _Job(job_id, int(time.time()), requests, [len(p) for p in prompts], body.n, choices)
+        return _Job(job_id, int(time.time()), requests, [len(p) for p in prompts], body.n, choices, model or self.model_name)
 
     def _check_context(self, prompt: list[int], params: pb.SamplingParams) -> None:
         if not prompt:
@@ -326,7 +327,7 @@ class OpenAIServing:
         return _stream(make_events(_prepend(first, pieces)), done_marker)
 
     def _chunk(self, job: _Job, kind: str, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-        chunk = {"id": job.id, "object": kind, "created": job.created, "model": self.model_name, "choices": [choice]}
+        chunk = {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice]}
         if include_usage:
             chunk["usage"] = None
         return chunk

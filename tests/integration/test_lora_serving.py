@@ -77,6 +77,7 @@ def test_adapters_served_as_offline(cluster: LocalCluster, adapters: dict[str, s
     for model in ("smollm2-135m-instruct", "boot", "late"):
         status, reply = _complete(cluster, model)
         assert status == 200, reply
+        assert reply["model"] == model  # as vLLM: the adapter's name, not the base model's
         served[model] = reply["choices"][0]["text"]
     llm = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", num_threads=1, num_blocks=64,
               max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8)
