@@ -8,7 +8,8 @@ of its adapter (-1: the base model), and one call serves all of them.
 dispatch functions take the batch's tokens grouped by slot when the caller knows them on
 the host (`groups`: an eager step): then each adapter costs a gather and two matmuls, on
 any device. Without groups (a CUDA graph, whose slots change at every replay) they run
-the Triton kernels (kernels/triton_lora.py) on CUDA, and group on the spot on CPU.
+the Triton kernels (kernels/triton_lora.py: blocks of consecutive tokens, a tensor-core
+dot per distinct slot of a block) on CUDA, and group on the spot on CPU.
 """
 
 from __future__ import annotations

@@ -1,98 +1,154 @@
 """Triton kernels for batched LoRA (semantics: `lora_*_reference` in kernels/lora.py).
 
-One program per (token, block of output columns): it reads its token's slot and gathers
-that adapter's A or B tile, so a batch may mix any number of adapters and the base model
-(slot -1: loads masked off, the output untouched). Only shapes and strides are read on the
-host: no sync, so the launches can be captured in a CUDA graph. Offsets are int64.
+One program per (block of BLOCK_T consecutive tokens, block of output columns[, slice of
+K]). A prefill request's tokens are contiguous in the flattened batch, so a block's tokens
+mostly share one slot: the program walks the distinct slots of its block, smallest first
+(none for a block of base tokens, slot -1), and for each runs a `tl.dot` of that slot's
+rows (the others masked to zero) against that adapter's tile, on tensor cores with an fp32
+accumulator. A decode block that mixes k adapters costs k passes, each reading only its
+own tokens' rows. Only shapes and strides are read on the host, and the tile sizes depend
+on shapes alone: no sync, so the launches can be captured in a CUDA graph whose slots
+change at every replay. Offsets are int64.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+NO_SLOT: tl.constexpr = tl.constexpr(2**31 - 1)  # above every slot: the walk is over
+
+
+@triton.jit
+def _next_slot(slots, after):
+    # slots: [BLOCK_T] int32 (-1: base); the smallest slot above `after`, or NO_SLOT
+    return tl.min(tl.where(slots > after, slots, NO_SLOT), axis=0)
+
 
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, s_ptr, slot_ptr,
-    N, K,
-    x_stride_t, a_stride_l, a_stride_n, s_stride_t,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    T, N, K, K_PER_SPLIT,
+    x_stride_t, a_stride_l, a_stride_n, s_stride_split, s_stride_t,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    # s[split, t, n] = sum over this split's k of x[t, k] * a[slot[t], n, k]
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    valid = slot >= 0
-    a_base = a_ptr + tl.maximum(slot, 0) * a_stride_l
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = (offs_k < K) & valid
-        xk = tl.load(x_ptr + t * x_stride_t + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        a = tl.load(
-            a_base + offs_n[:, None] * a_stride_n + offs_k[None, :],
-            mask=(offs_n[:, None] < N) & mask_k[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.sum(a * xk[None, :], axis=1)
-    tl.store(s_ptr + t * s_stride_t + offs_n, acc, mask=offs_n < N)
+    k_begin = tl.program_id(2) * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    slots = tl.load(slot_ptr + offs_t, mask=offs_t < T, other=-1).to(tl.int32)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    slot = _next_slot(slots, -1)
+    while slot < NO_SLOT:
+        rows = slots == slot
+        a_base = a_ptr + slot.to(tl.int64) * a_stride_l
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            x = tl.load(x_ptr + offs_t[:, None] * x_stride_t + offs_k[None, :],
+                        mask=rows[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+            a_t = tl.load(a_base + offs_k[:, None] + offs_n[None, :] * a_stride_n,
+                          mask=mask_k[:, None] & (offs_n[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(x.to(a_t.dtype), a_t, acc, input_precision=DOT_PRECISION)
+        slot = _next_slot(slots, slot)
+    s_ptrs = s_ptr + tl.program_id(2) * s_stride_split + offs_t[:, None] * s_stride_t + offs_n[None, :]
+    tl.store(s_ptrs, acc, mask=(offs_t[:, None] < T) & (offs_n[None, :] < N))
 
 
 @triton.jit
 def _expand_kernel(
     y_ptr, s_ptr, b_ptr, slot_ptr,
-    M, R,
+    T, M, R,
     y_stride_t, s_stride_t, s_stride_r, b_stride_l, b_stride_m,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    # y[t, m] += sum over r of s[t, r] * b[slot[t], m, r], for the tokens with a slot
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    valid = slot >= 0
-    mask_m = (offs_m < M) & valid
-    mask_r = (offs_r < R) & valid
-    s = tl.load(s_ptr + t * s_stride_t + offs_r * s_stride_r, mask=mask_r, other=0.0).to(tl.float32)
-    b = tl.load(
-        b_ptr + tl.maximum(slot, 0) * b_stride_l + offs_m[:, None] * b_stride_m + offs_r[None, :],
-        mask=mask_m[:, None] & mask_r[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    delta = tl.sum(b * s[None, :], axis=1)
-    y_ptrs = y_ptr + t * y_stride_t + offs_m
-    y = tl.load(y_ptrs, mask=mask_m, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask_m)
+    mask_m = offs_m < M
+    mask_r = offs_r < R
+    slots = tl.load(slot_ptr + offs_t, mask=offs_t < T, other=-1).to(tl.int32)
+    acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+    slot = _next_slot(slots, -1)
+    while slot < NO_SLOT:
+        rows = slots == slot
+        s = tl.load(s_ptr + offs_t[:, None] * s_stride_t + offs_r[None, :] * s_stride_r,
+                    mask=rows[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_T, BLOCK_R] fp32
+        b_t = tl.load(b_ptr + slot.to(tl.int64) * b_stride_l + offs_r[:, None] + offs_m[None, :] * b_stride_m,
+                      mask=mask_r[:, None] & mask_m[None, :], other=0.0)  # [BLOCK_R, BLOCK_M]
+        # s is rounded to the weights' dtype first, as PEFT's lora_B(lora_A(x)) does.
+        acc = tl.dot(s.to(b_t.dtype), b_t, acc, input_precision=DOT_PRECISION)
+        slot = _next_slot(slots, slot)
+    mask = (slots >= 0)[:, None] & mask_m[None, :]  # base tokens: y is not even read
+    y_ptrs = y_ptr + offs_t[:, None] * y_stride_t + offs_m[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class ShrinkTiles:
+    block_t: int
+    block_k: int
+    k_per_split: int  # a multiple of block_k; one program per slice of K
+
+
+def token_block(num_tokens: int) -> int:
+    """Tokens per program: small for a decode batch (more programs), 64 for a prefill chunk."""
+    return 16 if num_tokens <= 64 else 64
+
+
+def shrink_tiles(num_tokens: int, k: int) -> ShrinkTiles:
+    """Tile sizes from shapes alone (graph-safe). The K split depends on K only, so a
+    token's sum runs in the same order whatever the batch around it."""
+    return ShrinkTiles(block_t=token_block(num_tokens), block_k=128, k_per_split=min(256, triton.cdiv(k, 128) * 128))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 keeps full precision (the fp32 GPU test compares graphs with eager); 16-bit inputs
+    # ignore this and use the tensor cores.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, tiles: ShrinkTiles | None = None) -> torch.Tensor:
     # x: [T, K], a: [L, N, K], slots: [T] -> [T, N] fp32
     num_tokens, k = x.shape
     n = a.shape[1]
     assert x.stride(1) == 1 and a.stride(2) == 1, "x and a need contiguous rows"
-    s = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
+    tiles = tiles or shrink_tiles(num_tokens, k)
+    assert tiles.k_per_split % tiles.block_k == 0, tiles
+    num_splits = triton.cdiv(k, tiles.k_per_split)
+    parts = torch.empty(num_splits, num_tokens, n, dtype=torch.float32, device=x.device)  # [S, T, N]
     if num_tokens == 0:
-        return s
-    block_n = min(triton.next_power_of_2(n), 64)
-    grid = (num_tokens, triton.cdiv(n, block_n))
+        return parts.sum(0)
+    block_n = max(16, min(triton.next_power_of_2(n), 64))
+    grid = (triton.cdiv(num_tokens, tiles.block_t), triton.cdiv(n, block_n), num_splits)
     _shrink_kernel[grid](
-        x, a, s, slots, n, k, x.stride(0), a.stride(0), a.stride(1), s.stride(0),
-        BLOCK_N=block_n, BLOCK_K=64,
+        x, a, parts, slots, num_tokens, n, k, tiles.k_per_split,
+        x.stride(0), a.stride(0), a.stride(1), parts.stride(0), parts.stride(1),
+        BLOCK_T=tiles.block_t, BLOCK_N=block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_dot_precision(x.dtype),
     )
-    return s
+    return parts[0] if num_splits == 1 else parts.sum(0)
 
 
-def lora_expand_add(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
+def lora_expand_add(
+    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, block_t: int | None = None
+) -> None:
     # y: [T, M] in place (column slice ok), s: [T, R], b: [L, M, R], slots: [T]
     num_tokens, m = y.shape
     r = b.shape[2]
     assert y.stride(1) == 1 and b.stride(2) == 1, "y and b need contiguous rows"
     if num_tokens == 0:
         return
-    block_r = triton.next_power_of_2(r)
+    block_t = block_t or token_block(num_tokens)
+    block_r = max(16, triton.next_power_of_2(r))
     block_m = max(16, min(128, 4096 // block_r))
-    grid = (num_tokens, triton.cdiv(m, block_m))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(m, block_m))
     _expand_kernel[grid](
-        y, s, b, slots, m, r, y.stride(0), s.stride(0), s.stride(1), b.stride(0), b.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r,
+        y, s, b, slots, num_tokens, m, r, y.stride(0), s.stride(0), s.stride(1), b.stride(0), b.stride(1),
+        BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_R=block_r, DOT_PRECISION=_dot_precision(b.dtype),
     )

@@ -36,7 +36,7 @@ class LoRAContext:
     # captured with it True, so a replay always runs the kernels over token_slots.
     active: bool = True
     # This step's tokens grouped by slot, known on the host (CPU: one gather and two
-    # matmuls per adapter); None on CUDA (per-token Triton kernels, graph-safe).
+    # matmuls per adapter); None on CUDA (token-block Triton kernels, graph-safe).
     groups: SlotGroups | None = None
 
 

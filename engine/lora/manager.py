@@ -111,7 +111,7 @@ class LoRAManager:
             start = end
         self.context.active = any(item.lora_slot >= 0 for item in scheduled)
         self.context.token_slots.copy_(host, non_blocking=True)
-        # On CUDA the per-token Triton kernels serve eager steps too: one grouped matmul per
+        # On CUDA the Triton kernels serve eager steps too: one grouped matmul per
         # adapter and linear cost 4x their time on an H200 at 16 adapters (docs/benchmarks.md).
         on_cpu = self.context.token_slots.device.type == "cpu"
         self.context.groups = self._groups(scheduled, start) if self.context.active and on_cpu else None

@@ -1,5 +1,5 @@
 """Multi-LoRA on CUDA (skipped without a GPU), on a tiny fp32 dummy Llama: a mixed batch
-(two adapters and the base model) whose decode steps replay CUDA graphs (per-token Triton
+(two adapters and the base model) whose decode steps replay CUDA graphs (token-block Triton
 shrink/expand over the static slot buffer) equals the eager engine, and equals each
 request run alone. (Dummy weights are drawn on the device, so CUDA is not compared with
 CPU here; tests/unit/test_lora_manager.py covers the CPU path.)"""
