@@ -18,6 +18,9 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 _ROLES = ("colocated", "prefill", "decode")
 _EXECUTOR_BACKENDS = ("mp", "ray")
+# "auto": the model's dtype; "fp8" and "fp8_e4m3" (the same): float8_e4m3fn with a scale per
+# layer for K and for V (kernels/fp8_kv.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(slots=True)
@@ -54,8 +57,14 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
+    # What the KV cache stores (vLLM's kv_cache_dtype): KV_CACHE_DTYPES.
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"cache.kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}"
+            )
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"cache.block_size: {self.block_size} must be a power of two in [1, 256]")
         if self.num_blocks is not None and self.num_blocks < 1:

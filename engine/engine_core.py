@@ -46,6 +46,7 @@ from engine.resolve import (
     max_model_len,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     use_async_scheduling,
 )
 from engine.sampler import Sampler
@@ -97,6 +98,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.source: ModelSource = resolve(config.model)
         if self.source.quantization is not None and config.parallel.world_size > 1:
             raise ConfigError(
@@ -125,6 +127,8 @@ class EngineCore:
         elif model is None:
             model = load_model(self.source, self.dtype, self.device, config.model.seed)
         self.model = model
+        if config.cache.kv_cache_dtype != "auto":
+            _note_kv_scales(model)
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
         if num_blocks * block_size < self.max_model_len:
@@ -143,19 +147,19 @@ class EngineCore:
         graph_batch = 0 if config.enforce_eager else config.scheduler.max_num_seqs
         if self.executor is not None:
             self.runner = self.executor.start_runner(
-                num_blocks, block_size, self.max_model_len, self._transfer_mirror
+                num_blocks, block_size, self.max_model_len, self.kv_cache_dtype, self._transfer_mirror
             )
         else:
             self.runner = ModelRunner(
-                self.model, num_blocks, block_size, self.max_model_len, self.device, self.dtype, graph_batch
+                self.model, num_blocks, block_size, self.max_model_len, self.device, self.kv_cache_dtype, graph_batch
             )
         self.sampler = Sampler()
         self._async = AsyncStepper(self.scheduler, self.sampler, self._run_model) if use_async else None
         self.role = config.role
         self._pushes: dict[RequestId, KVPush] = {}  # prefill role
         self._lease_deadlines: dict[RequestId, float] = {}  # decode role, monotonic seconds
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens",
-                    arch.architecture, self.device, self.dtype, num_blocks, block_size)
+        logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens",
+                    arch.architecture, self.device, self.dtype, self.kv_cache_dtype, num_blocks, block_size)
 
     def _start_lora(self, arch: ModelArchConfig) -> None:
         sched = self.config.scheduler
@@ -202,9 +206,9 @@ class EngineCore:
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.executor is not None:
-            block_bytes = self.executor.kv_cache_block_bytes(cache.block_size, self.dtype, self._transfer_mirror)
+            block_bytes = self.executor.kv_cache_block_bytes(cache.block_size, self.kv_cache_dtype, self._transfer_mirror)
         else:
-            block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.dtype)
+            block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.kv_cache_dtype)
         return max(1, int(available_memory_bytes(self.device) * cache.memory_fraction) // block_bytes)
 
     @property
@@ -417,6 +421,23 @@ class EngineCore:
             lora_names=tuple(self.list_loras()),
             lora_resident_names=tuple(self.lora.resident_names) if self.lora is not None else (),
         )
+
+
+_warned_no_kv_scales = False
+
+
+def _note_kv_scales(model: CausalLM) -> None:
+    """An fp8 KV cache without the checkpoint's scales divides by 1.0 (vLLM's default): say so
+    once per process, since values beyond +-448 then saturate."""
+    global _warned_no_kv_scales
+    if model.kv_scales_loaded or _warned_no_kv_scales:
+        return
+    _warned_no_kv_scales = True
+    logger.warning(
+        "fp8 KV cache: the checkpoint has no k_scale/v_scale, so every layer uses scale 1.0; "
+        "K/V values beyond +-448 saturate. A checkpoint calibrated with KV cache scales "
+        "(llm-compressor, ModelOpt) avoids that."
+    )
 
 
 __all__ = ["EngineCore", "EngineStats"]

@@ -19,9 +19,10 @@ from kernels import AttentionMetadata
 from kernels.torch_ops import make_plan
 
 
-def kv_cache_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_block_bytes(model: CausalLM, block_size: int, kv_cache_dtype: torch.dtype) -> int:
+    """One block's bytes over every layer (fp8: one per element, half a 16-bit cache's)."""
     c = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=kv_cache_dtype).element_size()
     return c.num_hidden_layers * 2 * block_size * c.num_key_value_heads * c.head_dim * elem
 
 
@@ -33,7 +34,7 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device,
-        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
         cuda_graph_max_batch: int = 0,
         num_layers: int | None = None,
         num_kv_heads: int | None = None,
@@ -47,10 +48,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         num_layers = c.num_hidden_layers if num_layers is None else num_layers
         num_kv_heads = c.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        # One tensor per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]. Zeroed, so
-        # masked-out slots never feed NaN into attention.
+        # One tensor per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], of the
+        # model's dtype or fp8 (kernels/fp8_kv.py). Zeroed, so masked-out slots never feed NaN
+        # into attention.
         shape = (num_blocks, 2, block_size, num_kv_heads, c.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
         self.block_tables: dict[RequestId, list[int]] = {}
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and cuda_graph_max_batch > 0:

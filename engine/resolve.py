@@ -1,5 +1,6 @@
-"""What an engine config resolves to on this machine: the device, the dtype, the context
-length it serves, the memory its KV cache may take, whether steps run ahead (async)."""
+"""What an engine config resolves to on this machine: the device, the dtype, the KV cache's
+dtype, the context length it serves, the memory its KV cache may take, whether steps run
+ahead (async)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from kernels.fp8_kv import FP8_KV_DTYPE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -33,6 +35,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         # bf16 matmuls are slow on most CPUs; fp32 there, bf16 on GPUs.
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return _DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's ("auto") or float8_e4m3fn ("fp8", "fp8_e4m3"),
+    one byte per element, so the same memory holds twice the blocks of a 16-bit cache."""
+    if name == "auto":
+        return model_dtype
+    assert name in ("fp8", "fp8_e4m3"), f"config validation lets {name!r} through"
+    return FP8_KV_DTYPE
 
 
 def max_model_len(config: EngineConfig, max_position: int) -> int:

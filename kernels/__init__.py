@@ -2,7 +2,9 @@
 
 The engine calls only the functions below. On CUDA tensors they run the Triton kernels
 (`triton_*.py`); elsewhere the torch path (`torch_ops.py`). `reference.py` holds the
-plain definitions both are tested against.
+plain definitions both are tested against. A KV cache of float8_e4m3fn stores K and V
+scaled by a layer's k_scale / v_scale ([1] fp32 device tensors; kernels/fp8_kv.py); other
+caches ignore the scales.
 """
 
 from __future__ import annotations
@@ -31,36 +33,45 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's context in the paged cache.
 
     query: [T, Hq, D]; key, value: [T, Hkv, D], already written to kv_cache -> [T, Hq, D].
     """
     if not query.is_cuda:
-        return torch_ops.paged_attention(query, key, value, kv_cache, meta, scale)
+        return torch_ops.paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
     if meta.is_decode_only:
         from kernels.triton_decode_attention import decode_attention
 
         return decode_attention(
-            query, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len
+            query, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len,
+            k_scale=k_scale, v_scale=v_scale,
         )
     from kernels.triton_prefill_attention import prefill_attention
 
     return prefill_attention(
         query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-        max_query_len=meta.max_query_len,
+        max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
     )
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """key, value: [T, Hkv, D] into the slots of slot_mapping [T]; slot -1 writes nothing."""
+    """key, value: [T, Hkv, D] into the slots of slot_mapping [T], as the cache's dtype stores
+    them; slot -1 writes nothing."""
     if not key.is_cuda:
-        return torch_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
+        return torch_ops.write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     from kernels import triton_ops
 
-    triton_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
+    triton_ops.write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def fused_add_rms_norm(

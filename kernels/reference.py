@@ -4,20 +4,29 @@ Written for clarity, not speed (loops over sequences). Shapes:
   kv_cache      [num_blocks, 2, block_size, num_kv_heads, head_dim]  (one layer)
   block_tables  [B, max_num_blocks] int32, padded with anything
   seq_lens      [B] int32: context length after this step (0 = padding, output zeros)
+  k_scale, v_scale  [1] fp32 (or floats): an fp8 cache's scales (kernels/fp8_kv.py); a
+                cache of another dtype ignores them
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.fp8_kv import dequantize, quantize
 
-def _context(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+Scale = torch.Tensor | float | None
+
+
+def _context(
+    kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int, k_scale: Scale, v_scale: Scale
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context's K and V as stored, read back in fp32: [L, Hkv, D] each."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = kv_cache[table[:num_blocks].long()]  # [nb, 2, BS, Hkv, D]
     k = blocks[:, 0].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
     v = blocks[:, 1].flatten(0, 1)[:seq_len]
-    return k, v
+    return dequantize(k, k_scale, torch.float32), dequantize(v, v_scale, torch.float32)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -40,13 +49,15 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence -> [B, Hq, D]."""
     out = torch.zeros_like(q)
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
         if seq_len > 0:
-            k, v = _context(kv_cache, block_tables[b], seq_len)
+            k, v = _context(kv_cache, block_tables[b], seq_len, k_scale, v_scale)
             out[b] = _attend(q[b : b + 1], k, v, scale)[0]
     return out
 
@@ -58,6 +69,8 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch; sequence b owns q[loc[b]:loc[b+1]], the last tokens of
     its seq_lens[b]-long context (a cached prefix may come first) -> [T, Hq, D]."""
@@ -65,22 +78,27 @@ def prefill_attention(
     for b in range(seq_lens.shape[0]):
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
         if end > start:
-            k, v = _context(kv_cache, block_tables[b], int(seq_lens[b]))
+            k, v = _context(kv_cache, block_tables[b], int(seq_lens[b]), k_scale, v_scale)
             out[start:end] = _attend(q[start:end], k, v, scale)
     return out
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> None:
-    """key, value: [T, Hkv, D] into kv_cache at slot_mapping [T] (block * block_size + offset);
-    a negative slot (a padding token) writes nothing."""
+    """key, value: [T, Hkv, D] into kv_cache at slot_mapping [T] (block * block_size + offset),
+    as the cache's dtype stores them; a negative slot (a padding token) writes nothing."""
     block_size = kv_cache.shape[2]
     for t in range(key.shape[0]):
         slot = int(slot_mapping[t])
         if slot >= 0:
-            kv_cache[slot // block_size, 0, slot % block_size] = key[t]
-            kv_cache[slot // block_size, 1, slot % block_size] = value[t]
+            kv_cache[slot // block_size, 0, slot % block_size] = quantize(key[t], k_scale, kv_cache.dtype)
+            kv_cache[slot // block_size, 1, slot % block_size] = quantize(value[t], v_scale, kv_cache.dtype)
 
 
 def fused_add_rms_norm(

@@ -1,6 +1,9 @@
 """The torch path of every kernel, used on CPU: fast enough to serve there, exact against
 kernels/reference.py. Decode attention rows are batched (one gather per layer,
 grouped-query attention by two matmuls); prefill rows run one SDPA call per sequence.
+An fp8 cache (kernels/fp8_kv.py) is read back in the query's dtype, k_scale folded into the
+softmax scale and v_scale applied to the output; every sequence then reads its whole context
+from the cache, as the Triton kernels do, so attention sees what was stored.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_kv import is_fp8, quantize, scale_value
 from kernels.metadata import AttentionMetadata
 
 
@@ -45,14 +49,29 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int]) -> CpuPlan:
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     # key, value: [T, Hkv, D]; kv_cache: [NB, 2, BS, Hkv, D]; the CPU path never pads.
     block_size = kv_cache.shape[2]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    kv_cache[block_ids, 0, offsets] = key
-    kv_cache[block_ids, 1, offsets] = value
+    kv_cache[block_ids, 0, offsets] = quantize(key, k_scale, kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = quantize(value, v_scale, kv_cache.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scales:
+    """How attention reads the cache: the softmax scale (k_scale folded in) and the factor
+    on the output (v_scale); 1.0 unless the cache is fp8."""
+
+    softmax: float
+    out: float
+    fp8: bool
 
 
 def paged_attention(
@@ -62,22 +81,29 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [T, Hq, D]; key, value: [T, Hkv, D] (the new tokens', already written to the
     cache) -> [T, Hq, D]. A sequence with no cached context attends over `key`/`value`
-    directly; any other reads its context from the cache through its block table."""
+    directly (unless the cache is fp8); any other reads its context from the cache through
+    its block table."""
     plan = meta.cpu_plan
     assert plan is not None, "the torch attention path needs AttentionMetadata.cpu_plan"
+    scales = _Scales(scale, 1.0, False)
+    if is_fp8(kv_cache.dtype):
+        scales = _Scales(scale * scale_value(k_scale), scale_value(v_scale), True)
     out = torch.empty_like(query)
     if plan.decode_seq_ids.numel():
-        _decode_attention(query, kv_cache, meta.block_tables, plan, scale, out)
+        _decode_attention(query, kv_cache, meta.block_tables, plan, scales, out)
     for b in plan.prefill_seq_ids:
-        _prefill_attention(query, key, value, kv_cache, meta.block_tables, plan, b, scale, out)
+        _prefill_attention(query, key, value, kv_cache, meta.block_tables, plan, b, scales, out)
     return out
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_ids: [B, NBseq] -> k, v: [B, Hkv, NBseq * BS, D], ready for attention."""
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_ids: [B, NBseq] -> k, v: [B, Hkv, NBseq * BS, D] in `dtype`, ready for attention
+    (an fp8 cache's values as stored: the caller applies the scales)."""
     num_seqs, num_blocks = block_ids.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     blocks = kv_cache.index_select(0, block_ids.flatten())  # [B*NBseq, 2, BS, Hkv, D]
@@ -85,7 +111,7 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
     shape = (num_seqs, num_kv_heads, num_blocks * block_size, head_dim)
     k = blocks[:, :, 0].permute(0, 3, 1, 2, 4).reshape(shape)
     v = blocks[:, :, 1].permute(0, 3, 1, 2, 4).reshape(shape)
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 def _decode_attention(
@@ -93,21 +119,23 @@ def _decode_attention(
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     plan: CpuPlan,
-    scale: float,
+    scales: _Scales,
     out: torch.Tensor,
 ) -> None:
     max_len = plan.decode_max_len
     num_blocks = -(-max_len // kv_cache.shape[2])
-    k, v = _gather_kv(kv_cache, block_tables[plan.decode_seq_ids, :num_blocks])  # [Bd, Hkv, L, D]
+    k, v = _gather_kv(kv_cache, block_tables[plan.decode_seq_ids, :num_blocks], query.dtype)  # [Bd, Hkv, L, D]
     k, v = k[:, :, :max_len], v[:, :, :max_len]
     num_seqs, num_kv_heads, _, head_dim = k.shape
     # One query row per head, grouped under its KV head: two batched matmuls, no K/V
     # repeat (on CPU this beats SDPA's GQA path by about 2x at decode shapes).
     q = query[plan.decode_token_ids].view(num_seqs, num_kv_heads, -1, head_dim)  # [Bd, Hkv, G, D]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Bd, Hkv, G, L]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scales.softmax  # [Bd, Hkv, G, L]
     if plan.decode_mask is not None:
         scores = scores.masked_fill(~plan.decode_mask, float("-inf"))
     o = torch.matmul(scores.softmax(dim=-1), v)  # [Bd, Hkv, G, D]
+    if scales.fp8:
+        o = o * scales.out
     out[plan.decode_token_ids] = o.view(num_seqs, -1, head_dim)
 
 
@@ -119,24 +147,26 @@ def _prefill_attention(
     block_tables: torch.Tensor,
     plan: CpuPlan,
     b: int,
-    scale: float,
+    scales: _Scales,
     out: torch.Tensor,
 ) -> None:
     start, end = plan.query_start_loc[b], plan.query_start_loc[b + 1]
     seq_len = plan.seq_lens[b]
     q_len = end - start
     q = query[start:end].transpose(0, 1)  # [Hq, Q, D]
-    if q_len == seq_len:
+    if q_len == seq_len and not scales.fp8:
         k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)  # [Hkv, L, D]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scales.softmax, enable_gqa=True)
     else:
         num_blocks = -(-seq_len // kv_cache.shape[2])
-        k, v = _gather_kv(kv_cache, block_tables[b : b + 1, :num_blocks])
+        k, v = _gather_kv(kv_cache, block_tables[b : b + 1, :num_blocks], query.dtype)
         k, v = k[0, :, :seq_len], v[0, :, :seq_len]  # [Hkv, L, D]
         # New tokens sit at the end of the context: token i sees keys up to seq_len - q_len + i.
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         mask = torch.arange(seq_len)[None, :] <= q_pos  # [Q, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scales.softmax, enable_gqa=True)
+        if scales.fp8:
+            o = o * scales.out
     out[start:end] = o.transpose(0, 1)
 
 

@@ -10,7 +10,9 @@ group (on an H200 this is about a third faster than one program per q head at Hq
 The program walks the context in tiles of BLOCK_N tokens, mapping each token to its cache
 block through the block table, with an online softmax in fp32: first the tiles every row of
 the query tile may see (no mask), then the tiles across the causal diagonal (masked), and
-nothing past it.
+nothing past it. An fp8 cache (kernels/fp8_kv.py) is upcast to q's dtype (exact) as each tile
+is loaded; k_scale is folded into the softmax scale and v_scale into the output, both read
+from device memory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_kv import is_fp8
 
 _LOG2_E = 1.4426950408889634
 
@@ -99,8 +103,9 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos
                                 stride_kv_tok, CACHE_BLOCK_SIZE, BLOCK_N, MASKED)
     ptr_offs = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     # Masked loads read 0, never stale cache memory: a NaN there would survive p = 0.
-    k = _load_tile(k_base + ptr_offs, token_valid, offs_d, HEAD_DIM, MASKED, PAD_D)
-    v = _load_tile(v_base + ptr_offs, token_valid, offs_d, HEAD_DIM, MASKED, PAD_D)
+    # An fp8 cache's tiles become q's dtype here (a no-op for a cache of q's dtype).
+    k = _load_tile(k_base + ptr_offs, token_valid, offs_d, HEAD_DIM, MASKED, PAD_D).to(q.dtype)
+    v = _load_tile(v_base + ptr_offs, token_valid, offs_d, HEAD_DIM, MASKED, PAD_D).to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -118,12 +123,12 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, kv_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale,
+    qk_scale, k_scale_ptr, v_scale_ptr,  # the scales: [1] fp32, read when KV_FP8
     stride_q_tok, stride_q_head, stride_out_tok, stride_out_head,
     stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head, stride_bt_seq,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAD_D: tl.constexpr, CACHE_BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Rows of the tile are (token, q head of the group) pairs: TILE_Q tokens x QUERIES_PER_KV.
     TILE_Q: tl.constexpr = BLOCK_M // QUERIES_PER_KV
@@ -137,6 +142,8 @@ def _prefill_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len + m_tile * TILE_Q
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     offs_r = tl.arange(0, BLOCK_M)
     tok_in_tile = offs_r // QUERIES_PER_KV
@@ -173,6 +180,8 @@ def _prefill_attention_kernel(
             True, DOT_PRECISION)
 
     acc = acc / l_i[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     out_ptrs = out_ptr + (rows * stride_out_tok + heads * stride_out_head)[:, None] + offs_d[None, :]
     store_mask = row_valid[:, None]
     if PAD_D:
@@ -191,9 +200,12 @@ def prefill_attention(
     *,
     out: torch.Tensor | None = None,
     config: PrefillTileConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D]; block_tables: [B, max_num_blocks] int32;
-    query_start_loc: [B + 1] int32; seq_lens: [B] int32 -> [T, Hq, D] in q's dtype.
+    """q: [T, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D], q's dtype or fp8 (then with k_scale,
+    v_scale: [1] fp32); block_tables: [B, max_num_blocks] int32; query_start_loc: [B + 1]
+    int32; seq_lens: [B] int32 -> [T, Hq, D] in q's dtype.
 
     max_query_len must be at least the longest q_len (it sizes the grid; never read back from
     the device). Rows outside every sequence's range are zero, as in the reference; pass `out`
@@ -203,7 +215,9 @@ def prefill_attention(
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs = seq_lens.shape[0]
     assert kv_cache.shape[1] == 2 and kv_cache.shape[4] == head_dim, "kv_cache layout mismatch"
-    assert kv_cache.dtype == q.dtype, f"kv_cache is {kv_cache.dtype}, q is {q.dtype}"
+    kv_fp8 = is_fp8(kv_cache.dtype)
+    assert kv_fp8 or kv_cache.dtype == q.dtype, f"kv_cache is {kv_cache.dtype}, q is {q.dtype}"
+    assert not kv_fp8 or (k_scale is not None and v_scale is not None), "an fp8 cache needs k_scale and v_scale"
     assert num_heads % num_kv_heads == 0, f"{num_heads} q heads over {num_kv_heads} KV heads"
     assert block_size & (block_size - 1) == 0, f"block size {block_size} is not a power of two"
     assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] >= num_seqs
@@ -223,6 +237,7 @@ def prefill_attention(
     _prefill_attention_kernel[grid](
         q, kv_cache, out, block_tables, query_start_loc, seq_lens,
         scale * _LOG2_E,
+        k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # any pointer: not read
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -231,6 +246,7 @@ def prefill_attention(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         # fp32 callers want fp32 results, not TF32; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

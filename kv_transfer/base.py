@@ -48,7 +48,7 @@ class KVLayoutMismatch(KVTransferError):
         super().__init__(
             "KV layout mismatch between prefill and decode: "
             + "; ".join(self.mismatches)
-            + ". Run both with the same model, dtype, block_size and parallel layout."
+            + ". Run both with the same model, dtype, kv_cache_dtype, block_size and parallel layout."
         )
 
 
@@ -57,7 +57,7 @@ class KVLayout:
     """What both ends of a transfer must agree on; compared field by field in the handshake."""
 
     model: str
-    dtype: str
+    dtype: str  # the KV cache's: the model's, or "float8_e4m3fn" (kv_cache_dtype fp8), sent as raw bytes
     block_size: int
     num_layers: int
     num_kv_heads: int  # per tensor-parallel rank

@@ -63,7 +63,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             return pb.PrefillResponse(
                 transfer_status=pb.TRANSFER_FAILED,
                 transfer_error="KV layout mismatch between prefill and decode: " + "; ".join(mismatches)
-                + ". Run both with the same model, dtype, block_size and parallel layout.",
+                + ". Run both with the same model, dtype, kv_cache_dtype, block_size and parallel layout.",
             )
         push = ReservationPush(
             self._sender,

@@ -1,4 +1,9 @@
-"""The attention layer: project, rotate, write K/V into the paged cache, attend."""
+"""The attention layer: project, rotate, write K/V into the paged cache, attend.
+
+k_scale / v_scale: what an fp8 KV cache divides K and V by (kernels/fp8_kv.py), one fp32
+value each per layer, from the checkpoint (engine/models/kv_scales.py) or 1.0. Buffers of
+shape [1] on the model's device, so CUDA graphs read them by address; a cache of the
+model's dtype ignores them."""
 
 from __future__ import annotations
 
@@ -12,6 +17,9 @@ from kernels import AttentionMetadata, paged_attention, write_kv_cache
 
 
 class Attention(nn.Module):
+    k_scale: torch.Tensor  # [1] fp32 buffers (see the module docstring)
+    v_scale: torch.Tensor
+
     def __init__(
         self,
         hidden_size: int,
@@ -33,6 +41,9 @@ class Attention(nn.Module):
         # Qwen3 normalises each head of q and k before the rotation.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        # Not in the state dict: a checkpoint's scales load by name (CausalLM.load_weights).
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -50,6 +61,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q, k = rope.apply(q, k)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))
+
+
+def kv_scales(model: nn.Module) -> list[torch.Tensor]:
+    """Every attention layer's k_scale and v_scale, in layer order."""
+    return [scale for m in model.modules() if isinstance(m, Attention) for scale in (m.k_scale, m.v_scale)]

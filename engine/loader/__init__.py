@@ -138,12 +138,17 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device)
 
 
 def _rebuild_buffers(model: CausalLM, arch: ModelArchConfig, device: torch.device) -> None:
+    from engine.layers.attention import Attention
     from engine.layers.rotary import RotaryEmbedding
 
     with torch.device(device):
         model.model.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
+    for module in model.modules():
+        if isinstance(module, Attention):  # KV cache scales: fp32 1.0 until a checkpoint sets them
+            module.k_scale = torch.ones(1, dtype=torch.float32, device=device)
+            module.v_scale = torch.ones(1, dtype=torch.float32, device=device)
 
 
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

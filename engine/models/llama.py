@@ -17,6 +17,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models import mixtral
 from engine.models.config import ModelArchConfig
+from engine.models.kv_scales import kv_scale_targets, per_layer_scale
 from engine.quantization import is_quantized
 from kernels import AttentionMetadata, silu_and_mul
 
@@ -118,6 +119,8 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # Whether the checkpoint carried KV cache scales (engine/models/kv_scales.py).
+        self.kv_scales_loaded = False
 
     def tie_weights(self) -> None:
         """Share lm_head with the embedding where the config says so (again after `to_empty`)."""
@@ -146,6 +149,8 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if self._load_kv_scale(name, tensor):
+                continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, shard = self._target(name)
@@ -167,6 +172,19 @@ class CausalLM(nn.Module):
         missing = self._expected_loads(params) - loaded
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load `name` if it is a KV cache scale (or a skipped attention scale); False if not."""
+        targets = kv_scale_targets(name)
+        if targets is None:
+            return False
+        buffers = dict(self.named_buffers())
+        for target in targets:
+            if target not in buffers:
+                raise KeyError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
+            buffers[target].copy_(per_layer_scale(name, tensor))
+            self.kv_scales_loaded = True
+        return True
 
     @staticmethod
     def _target(name: str) -> tuple[str, str | int | mixtral.ExpertShard | None]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.layers.attention import kv_scales
 from engine.models import CausalLM
 from engine.parallel.expert import shard_experts
 from engine.parallel.groups import FOREVER, Group, backend_for, make_group
@@ -67,9 +68,12 @@ class ParallelContext:
         return self.topology.rank_of(self.place.stage + 1, self.place.tp_rank)
 
     def broadcast_weights(self, model: CausalLM) -> None:
-        """Rank 0's parameters into every rank's (same architecture, same order), as bytes."""
+        """Rank 0's parameters and KV cache scales into every rank's (same architecture, same
+        order), as bytes."""
         for param in model.parameters():
             self.world.broadcast_(param.data.view(torch.uint8), src=0)
+        for scale in kv_scales(model):  # [1] fp32 each
+            self.world.broadcast_(scale.view(torch.uint8), src=0)
 
     def shard(self, model: CausalLM) -> None:
         """Cut the full model down to this rank's share, in place. With expert parallelism

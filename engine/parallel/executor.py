@@ -167,21 +167,26 @@ class ParallelExecutor:
         return per_rank * (c.world_size if self.ctx.device.type == "cpu" else 1) + mirror
 
     def start_runner(
-        self, num_blocks: int, block_size: int, max_model_len: int, transfer_mirror: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        kv_cache_dtype: torch.dtype,
+        transfer_mirror: bool = False,
     ) -> ModelRunner:
-        """Every rank allocates its KV cache; returns rank 0's runner (its cache and tables).
-        `transfer_mirror` (prefill/decode roles): rank 0 also keeps a full-head cache for
-        the KV transfer, `transfer_caches`."""
+        """Every rank allocates its KV cache (of `kv_cache_dtype`); returns rank 0's runner (its
+        cache and tables). `transfer_mirror` (prefill/decode roles): rank 0 also keeps a
+        full-head cache for the KV transfer, `transfer_caches`."""
         assert self.ctx is not None and self.channel is not None and self.model is not None
         ctx, channel, model = self.ctx, self.channel, self.model
-        init = KVCacheInit(num_blocks, block_size, max_model_len)
+        init = KVCacheInit(num_blocks, block_size, max_model_len, str(kv_cache_dtype).removeprefix("torch."))
         self._guard(lambda: channel.send(Kind.INIT, encode_init(init)))
-        self.stage = StageRunner(model, ctx, num_blocks, block_size, max_model_len, self.dtype)
+        self.stage = StageRunner(model, ctx, num_blocks, block_size, max_model_len, self.dtype, kv_cache_dtype)
         if transfer_mirror:
             assert self.topology.pipeline_parallel_size == 1 and ctx.tp is not None, "config.validate refuses pp > 1 roles"
             arch = model.config
             shape = (num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
-            full = [torch.zeros(shape, dtype=self.dtype, device=ctx.device) for _ in self.stage.kv_caches]
+            full = [torch.zeros(shape, dtype=kv_cache_dtype, device=ctx.device) for _ in self.stage.kv_caches]
             self.stage.mirror = KVMirror(self.stage.kv_caches, ctx.tp, arch.num_key_value_heads, full)
         self._guard(ctx.control.barrier)
         return self.stage.inner

@@ -12,7 +12,7 @@ one more cache, the mirror, laid out as a single-process engine's
            the landed blocks to every rank (broadcast), which keeps its own heads.
 Replicated heads are written more than once with the same values. The cost is one more
 cache on rank 0 and, for prefill, no layer-by-layer push: the gather runs once the whole
-step is done.
+step is done. Blocks travel as bytes (an fp8 cache too: gloo has no fp8 type).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ class KVMirror:
         index = torch.tensor(block_ids, device=self.kv_caches[0].device)
         for layer, cache in enumerate(self.kv_caches):
             shard = cache.index_select(0, index).contiguous()  # [n, 2, bs, h_rank, D]
-            parts = self.tp.gather_list(shard)
+            parts = self.tp.gather_list(shard.view(torch.uint8))
             if self.mirror is None:
                 continue
             assert parts is not None
             full = self.mirror[layer]
             for rank, part in enumerate(parts):
                 heads = kv_heads_of(rank, self.tp.size, self.num_kv_heads)
-                full[index, :, :, heads.start : heads.stop] = part
+                full[index, :, :, heads.start : heads.stop] = part.view(cache.dtype)
 
     def scatter(self, block_ids: list[int]) -> None:
         """Decode: rank 0's mirror blocks `block_ids` into every rank's own heads."""
@@ -59,5 +59,5 @@ class KVMirror:
             else:
                 shape = (len(block_ids), *cache.shape[1:3], self.num_kv_heads, cache.shape[4])
                 blocks = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-            self.tp.broadcast_(blocks, self.tp.ranks[0])
+            self.tp.broadcast_(blocks.view(torch.uint8), self.tp.ranks[0])
             cache[index] = blocks[:, :, :, self.heads.start : self.heads.stop]

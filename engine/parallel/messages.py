@@ -3,7 +3,7 @@ tensor, broadcast from rank 0 on the control group (gloo, on CPU even when the m
 runs on GPUs). Nothing is pickled: a rank decodes only ints, strings and lists.
 
 Per message: a header broadcast (int64 [kind, num_bytes]), then the payload broadcast.
-  INIT  once, after the weights: the KV cache size every rank allocates.
+  INIT  once, after the weights: the KV cache size (and dtype) every rank allocates.
   STEP  every engine step: the SchedulerOutput.
   STOP  shut down.
   GATHER_KV / SCATTER_KV  (prefill / decode role, tp > 1) the block ids whose KV moves
@@ -38,15 +38,25 @@ class KVCacheInit:
     num_blocks: int
     block_size: int
     max_model_len: int
+    kv_cache_dtype: str  # a torch dtype's name: "bfloat16", "float8_e4m3fn", ...
+
+
+_KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                    "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def encode_init(init: KVCacheInit) -> bytes:
-    return json.dumps([init.num_blocks, init.block_size, init.max_model_len]).encode()
+    return json.dumps([init.num_blocks, init.block_size, init.max_model_len, init.kv_cache_dtype]).encode()
 
 
 def decode_init(data: bytes) -> KVCacheInit:
-    num_blocks, block_size, max_model_len = json.loads(data)
-    return KVCacheInit(int(num_blocks), int(block_size), int(max_model_len))
+    num_blocks, block_size, max_model_len, kv_cache_dtype = json.loads(data)
+    assert kv_cache_dtype in _KV_CACHE_DTYPES, f"unknown KV cache dtype {kv_cache_dtype!r}"
+    return KVCacheInit(int(num_blocks), int(block_size), int(max_model_len), str(kv_cache_dtype))
+
+
+def kv_cache_dtype_of(init: KVCacheInit) -> torch.dtype:
+    return _KV_CACHE_DTYPES[init.kv_cache_dtype]
 
 
 def encode_block_ids(block_ids: list[int]) -> bytes:

@@ -32,7 +32,10 @@ class StageRunner:
         block_size: int,
         max_model_len: int,
         dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
     ) -> None:
+        """`dtype`: the model's (hidden states between stages, logits); `kv_cache_dtype`: the
+        KV cache's (the model's, or fp8)."""
         c = model.config
         self.model = model
         self.ctx = ctx
@@ -41,7 +44,7 @@ class StageRunner:
         num_kv_heads = len(kv_heads_of(ctx.place.tp_rank, tp, c.num_key_value_heads))
         # Eager only: CUDA graphs that capture the all-reduces and transfers are not built yet.
         self.inner = ModelRunner(
-            model, num_blocks, block_size, max_model_len, ctx.device, dtype, 0,
+            model, num_blocks, block_size, max_model_len, ctx.device, kv_cache_dtype, 0,
             num_layers=len(ctx.place.layers), num_kv_heads=num_kv_heads,
         )
         # Prefill/decode roles with tp > 1: rank 0 sets one with the full-head cache; the

@@ -31,6 +31,7 @@ from engine.parallel.messages import (
     decode_block_ids,
     decode_init,
     decode_step,
+    kv_cache_dtype_of,
 )
 from engine.parallel.stage_runner import StageRunner
 from engine.parallel.topology import Topology
@@ -72,7 +73,9 @@ def _serve(spec: WorkerSpec, store: dist.Store, device: torch.device, timeout: d
         return
     assert kind == Kind.INIT, kind
     init = decode_init(payload)
-    runner = StageRunner(model, ctx, init.num_blocks, init.block_size, init.max_model_len, dtype)
+    runner = StageRunner(
+        model, ctx, init.num_blocks, init.block_size, init.max_model_len, dtype, kv_cache_dtype_of(init)
+    )
     ctx.control.barrier()
     logger.info("rank %d ready: stage %d, layers %s, tensor rank %d",
                 spec.rank, ctx.place.stage, ctx.place.layers, ctx.place.tp_rank)

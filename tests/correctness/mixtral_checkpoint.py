@@ -69,9 +69,12 @@ def hf_logits(model: Any, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0].float()  # [S, V]
 
 
-def prefill_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 4) -> list[torch.Tensor]:
+def prefill_logits(
+    model: CausalLM, prompts: list[list[int]], block_size: int = 4, kv_cache_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """Every prompt in one varlen prefill batch through our model; each prompt's logits [S, V]
-    (under tensor parallelism: on the group's first rank; [S, V / tp] elsewhere). On CPU."""
+    (under tensor parallelism: on the group's first rank; [S, V / tp] elsewhere). On CPU.
+    `kv_cache_dtype`: the cache's (fp8: kernels/fp8_kv.py); None, the model's."""
     c = model.config
     device = model.lm_head.weight.device
     attention = model.model.layers[0].self_attn
@@ -99,7 +102,8 @@ def prefill_logits(model: CausalLM, prompts: list[list[int]], block_size: int = 
         cpu_plan=make_plan(query_start_loc, lens) if device.type == "cpu" else None,
     )
     shape = (firsts[-1], 2, block_size, num_kv_heads, c.head_dim)
-    kv_caches = [torch.zeros(shape, device=device) for _ in range(c.num_hidden_layers)]
+    dtype = kv_cache_dtype or model.lm_head.weight.dtype
+    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
     input_ids = torch.tensor([t for p in prompts for t in p], device=device)
     with torch.inference_mode():
         hidden = model(input_ids, positions.to(device), kv_caches, meta)  # [T, D]

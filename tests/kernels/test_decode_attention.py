@@ -2,6 +2,12 @@
 
 Without a GPU the kernels run in the Triton interpreter, on tiny shapes (the interpreter is
 slow, and its bf16 arithmetic is wrong, so bf16 runs only on CUDA).
+
+An fp8 cache (kv_dtype float8_e4m3fn) holds the reference's own quantization of random K/V
+under scales that are not 1; the reference reads it back (fp8 * scale) in fp32, the kernel
+upcasts and folds the scales in, so the two differ by rounding in the q dtype only: the same
+tolerances. What fp8 itself costs (3 mantissa bits: up to 2^-4 relative per element) is
+bounded separately, against the unquantized cache.
 """
 
 from __future__ import annotations
@@ -10,11 +16,20 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.fp8_kv import FP8_KV_DTYPE, quantize
 from kernels.triton_decode_attention import choose_num_splits, decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# K and V scales of the fp8 tests: K's maps |K| <= ~4.5 to <= 448 (no saturation), V's is
+# small enough that some V saturates at +-448 * 0.008 = 3.6 (the kernel must read what the
+# cache holds, clamped values included).
+K_SCALE, V_SCALE = 0.01, 0.008
+
+
+def fp8_scales() -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor([K_SCALE], device=DEVICE), torch.tensor([V_SCALE], device=DEVICE))
 
 
 
@@ -46,13 +61,27 @@ def make_inputs(
     return q.to(DEVICE), kv_cache.to(DEVICE), block_tables.to(DEVICE), seq_lens_t.to(DEVICE)
 
 
-def check(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits) -> None:
+def to_fp8(kv_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """The cache as an fp8 cache stores it (reference quantization, per K and V)."""
+    fp8 = torch.empty(kv_cache.shape, dtype=FP8_KV_DTYPE, device=kv_cache.device)
+    fp8[:, 0] = quantize(kv_cache[:, 0], k_scale, FP8_KV_DTYPE)
+    fp8[:, 1] = quantize(kv_cache[:, 1], v_scale, FP8_KV_DTYPE)
+    return fp8
+
+
+def check(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits, kv_dtype=None) -> None:
     q, kv_cache, block_tables, seq_lens_t = make_inputs(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
     )
     scale = head_dim**-0.5
-    out = decode_attention(q, kv_cache, block_tables, seq_lens_t, scale, num_splits=num_splits)
-    expected = reference.decode_attention(q, kv_cache, block_tables, seq_lens_t, scale)
+    k_scale = v_scale = None
+    if kv_dtype == FP8_KV_DTYPE:
+        k_scale, v_scale = fp8_scales()
+        kv_cache = to_fp8(kv_cache, k_scale, v_scale)
+    out = decode_attention(
+        q, kv_cache, block_tables, seq_lens_t, scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale
+    )
+    expected = reference.decode_attention(q, kv_cache, block_tables, seq_lens_t, scale, k_scale, v_scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
@@ -94,6 +123,33 @@ def test_group_larger_than_sixteen() -> None:
     check([45, 0], 32, 1, 32, 16, torch.float32, num_splits=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fp8_cache(block_size: int, num_splits: int, dtype: torch.dtype) -> None:
+    check(SHORT_SEQ_LENS, 8, 2, 32, block_size, dtype, num_splits, kv_dtype=FP8_KV_DTYPE)
+
+
+def test_fp8_cache_stays_close_to_the_unquantized_one() -> None:
+    """What fp8 itself costs. Each stored K/V element is off by at most 2^-4 of itself
+    (round to nearest with 3 mantissa bits, for values above e4m3's subnormals: 2^-6 *
+    scale), so the output, a convex mix of V rows, is off by up to 2^-4 * max|V| (reached
+    where a row attends one token), plus what the scores move (K's error, dotted with q:
+    a few hundredths here). Bound: 1.25 * 2^-4 * max|V|; a wrong scale is off by the ratio
+    of the scales, of the order of |V| itself."""
+    q, kv_cache, block_tables, seq_lens = make_inputs(SEQ_LENS, 8, 2, 64, 16, torch.float32)
+    k_scale, v_scale = fp8_scales()
+    v_scale = torch.tensor([5.0 / 448], device=DEVICE)  # no saturation here: only rounding
+    out = decode_attention(
+        q, to_fp8(kv_cache, k_scale, v_scale), block_tables, seq_lens, 64**-0.5, num_splits=2,
+        k_scale=k_scale, v_scale=v_scale,
+    )
+    exact = reference.decode_attention(q, kv_cache, block_tables, seq_lens, 64**-0.5)
+    error = float((out - exact).abs().max())
+    bound = 1.25 * 2**-4 * float(kv_cache[:, 1].abs().max())
+    assert 0 < error <= bound, (error, bound)
+
+
 def test_all_rows_padding() -> None:
     q, kv_cache, block_tables, seq_lens = make_inputs([0, 0], 4, 2, 32, 4, torch.float32)
     out = decode_attention(q, kv_cache, block_tables, seq_lens, 0.1, num_splits=3)
@@ -120,6 +176,15 @@ def test_realistic_bf16(num_splits: int | None) -> None:
 
 
 @requires_cuda
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_realistic_bf16_with_fp8_cache(num_splits: int | None) -> None:
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = torch.randint(1792, 2304, (64,), generator=gen)
+    seq_lens[::17] = 0
+    check(seq_lens.tolist(), 32, 8, 128, 16, torch.bfloat16, num_splits, kv_dtype=FP8_KV_DTYPE)
+
+
+@requires_cuda
 def test_cuda_graph_replay_with_new_lengths() -> None:
     q, kv_cache, block_tables, seq_lens = make_inputs(
         [300, 5, 0, 512], 32, 8, 128, 16, torch.bfloat16
@@ -137,4 +202,27 @@ def test_cuda_graph_replay_with_new_lengths() -> None:
     seq_lens.copy_(torch.tensor([512, 0, 77, 1], dtype=torch.int32))
     graph.replay()
     expected = reference.decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
+
+
+@requires_cuda
+def test_cuda_graph_reads_fp8_scales_from_device_memory() -> None:
+    """A replay uses the scales' current values: they are tensors, not captured constants."""
+    q, kv_cache, block_tables, seq_lens = make_inputs([300, 5, 0, 512], 32, 8, 128, 16, torch.bfloat16)
+    k_scale, v_scale = fp8_scales()
+    fp8_cache = to_fp8(kv_cache, k_scale, v_scale)
+
+    def run() -> torch.Tensor:
+        return decode_attention(q, fp8_cache, block_tables, seq_lens, 128**-0.5, max_seq_len=512,
+                                k_scale=k_scale, v_scale=v_scale)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    k_scale.mul_(2.0)
+    v_scale.mul_(0.5)
+    graph.replay()
+    expected = reference.decode_attention(q, fp8_cache, block_tables, seq_lens, 128**-0.5, k_scale, v_scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)

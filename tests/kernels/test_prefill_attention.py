@@ -3,6 +3,10 @@
 Without a GPU the kernel runs in the Triton interpreter, on tiny shapes with small tiles so
 that a sequence still spans several query and context tiles (the interpreter is slow, and its
 bf16 arithmetic is wrong, so bf16 runs only on CUDA).
+
+An fp8 cache (kv_dtype float8_e4m3fn) holds the reference's quantization of the same K/V
+(the NaN outside every context included) under scales that are not 1; the reference reads it
+back in fp32, the kernel upcasts and folds the scales in: the same tolerances as the q dtype.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.fp8_kv import FP8_KV_DTYPE
 from kernels.triton_prefill_attention import (
     PrefillTileConfig,
     default_tile_config,
     prefill_attention,
 )
+from tests.kernels.test_decode_attention import fp8_scales, to_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -77,15 +83,23 @@ def check(
     block_size: int,
     dtype: torch.dtype,
     config: PrefillTileConfig | None,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
     q, kv_cache, block_tables, query_start_loc, seq_lens_t = make_inputs(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
     )
     scale = head_dim**-0.5
+    k_scale = v_scale = None
+    if kv_dtype == FP8_KV_DTYPE:
+        k_scale, v_scale = fp8_scales()
+        kv_cache = to_fp8(kv_cache, k_scale, v_scale)
     out = prefill_attention(
-        q, kv_cache, block_tables, query_start_loc, seq_lens_t, scale, max(q_lens), config=config
+        q, kv_cache, block_tables, query_start_loc, seq_lens_t, scale, max(q_lens), config=config,
+        k_scale=k_scale, v_scale=v_scale,
     )
-    expected = reference.prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens_t, scale)
+    expected = reference.prefill_attention(
+        q, kv_cache, block_tables, query_start_loc, seq_lens_t, scale, k_scale, v_scale
+    )
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=RTOL[dtype])
 
@@ -106,6 +120,13 @@ def test_mixed_batch(block_size: int, num_kv_heads: int, head_dim: int, dtype: t
     # 16-token context tiles read one cache block of 16 whole; 32-token tiles span several.
     config = TILES_16 if head_dim == 32 else TILES_32
     check(MIXED_Q_LENS, MIXED_SEQ_LENS, 4, num_kv_heads, head_dim, block_size, dtype, config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("block_size", "config"), [(4, TILES_16), (16, TILES_32), (32, TILES_16)])
+def test_fp8_cache(block_size: int, config: PrefillTileConfig, dtype: torch.dtype) -> None:
+    # The mixed batch has a 20-token chunk after a 17-token cached prefix and a decode row.
+    check(MIXED_Q_LENS, MIXED_SEQ_LENS, 4, 2, 32, block_size, dtype, config, kv_dtype=FP8_KV_DTYPE)
 
 
 @pytest.mark.parametrize("block_size", [32, 256])
@@ -177,6 +198,14 @@ def test_realistic_prompts_and_chunks(dtype: torch.dtype) -> None:
     q_lens = [2048, 512, 1024, 1, 777, 0]
     seq_lens = [2048, 1536, 1024, 900, 2000, 0]
     check(q_lens, seq_lens, 32, 8, 128, 16, dtype, None)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_realistic_prompts_and_chunks_with_fp8_cache(dtype: torch.dtype) -> None:
+    q_lens = [2048, 512, 1024, 1, 777, 0]
+    seq_lens = [2048, 1536, 1024, 900, 2000, 0]
+    check(q_lens, seq_lens, 32, 8, 128, 16, dtype, None, kv_dtype=FP8_KV_DTYPE)
 
 
 @requires_cuda

@@ -15,12 +15,17 @@ from tests.kv_transfer.caches import MODEL, random_caches, zero_caches
 TIMEOUT_S = 10.0
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal (torch.equal has no fp8 kernel on CPU; bytes are what the wire must keep)."""
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def wait_until_landed(
     dst: torch.Tensor, dst_block_ids: list[int], src: torch.Tensor, src_block_ids: list[int]
 ) -> None:
     """Poll until dst[dst_block_ids] equals src[src_block_ids] (a layer in flight lands)."""
     deadline = time.monotonic() + TIMEOUT_S
-    while not torch.equal(dst[dst_block_ids], src[src_block_ids]):
+    while not same_bytes(dst[dst_block_ids], src[src_block_ids]):
         assert time.monotonic() < deadline, "the layer never landed"
         time.sleep(0.01)
 
@@ -37,7 +42,7 @@ def open_pair(backend: str, closing: list[Any], dtype: torch.dtype = torch.float
     return src, dst, sender, receiver
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_blocks_land_exactly_and_only_after_the_last_layer(
     backend: str, closing: list[Any], dtype: torch.dtype
 ) -> None:
@@ -57,8 +62,8 @@ def test_blocks_land_exactly_and_only_after_the_last_layer(
     assert receiver.wait("req-1", TIMEOUT_S) == TransferStatus.DONE
     untouched = [b for b in range(16) if b not in dst_ids]
     for layer in range(2):
-        assert torch.equal(dst[layer][dst_ids], src[layer][src_ids])
-        assert not dst[layer][untouched].any()
+        assert same_bytes(dst[layer][dst_ids], src[layer][src_ids])
+        assert not dst[layer][untouched].view(torch.uint8).any()
 
 
 def test_concurrent_transfers_from_two_senders(backend: str, closing: list[Any]) -> None:
@@ -155,6 +160,23 @@ def test_layout_mismatch_fails_the_sender_and_receiver_keeps_serving(
     assert good_sender.wait("good", TIMEOUT_S) == TransferStatus.DONE
     assert receiver.wait("good", TIMEOUT_S) == TransferStatus.DONE
     assert torch.equal(dst[1][[5, 6]], src[1][[1, 2]])
+
+
+def test_fp8_sender_and_16_bit_receiver_are_refused_naming_both(backend: str, closing: list[Any]) -> None:
+    """kv_cache_dtype fp8 on one side only: the handshake refuses it, naming both dtypes."""
+    dst = zero_caches(random_caches(seed=1, dtype=torch.bfloat16))
+    receiver = make_receiver(backend, dst, KVLayout.from_kv_caches(dst, MODEL))
+    closing.append(receiver)
+    src = random_caches(seed=2, dtype=torch.float8_e4m3fn)
+    sender = make_sender(backend, src, KVLayout.from_kv_caches(src, MODEL), sender_id="prefill-fp8")
+    closing.append(sender)
+    receiver.expect("fp8", [0])
+    sender.push_layer(receiver.endpoint, "fp8", 0, [0], [0])
+    assert sender.wait("fp8", TIMEOUT_S) == TransferStatus.FAILED
+    error = sender.error("fp8")
+    assert error is not None and "dtype: sender float8_e4m3fn, receiver bfloat16" in error
+    assert "kv_cache_dtype" in error
+    assert not dst[0].view(torch.uint8).any()
 
 
 @pytest.mark.parametrize("connected", [False, True], ids=["fresh", "connected"])

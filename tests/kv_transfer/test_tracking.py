@@ -52,7 +52,7 @@ def test_mismatch_names_every_differing_field_with_both_values() -> None:
     assert str(KVLayoutMismatch(problems)) == (
         "KV layout mismatch between prefill and decode: dtype: sender float32, receiver "
         "bfloat16; block_size: sender 16, receiver 32; tp_size: sender 1, receiver 2. Run "
-        "both with the same model, dtype, block_size and parallel layout."
+        "both with the same model, dtype, kv_cache_dtype, block_size and parallel layout."
     )
     assert sender.mismatches(sender) == []
 

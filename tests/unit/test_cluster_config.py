@@ -88,6 +88,22 @@ def test_refusals_name_file_line_and_key(tmp_path: Path, text: str, line: int, w
     assert words in message
 
 
+def test_kv_cache_dtype_reaches_both_pools_and_cannot_differ(tmp_path: Path) -> None:
+    """engine.cache.kv_cache_dtype is every instance's: both pools' resolved files carry it
+    (prefill and decode must agree: their KV moves as raw bytes), and no pool key sets its own."""
+    text = SMALL.replace("  device: cpu\n", "  device: cpu\n  cache:\n    kv_cache_dtype: fp8\n")
+    deployment = load_deployment(_file(tmp_path, text))
+    for role in ("prefill", "decode"):
+        resolved = tmp_path / f"{role}.yaml"
+        resolved.write_text(deployment.process_yaml(role))
+        assert EngineConfig.from_yaml(resolved).cache.kv_cache_dtype == "fp8"
+    bad = SMALL.replace("  device: cpu\n", "  device: cpu\n  cache:\n    kv_cache_dtype: fp4\n")
+    message = _refused(tmp_path, bad)
+    assert message.startswith(f"{tmp_path / 'cluster.yaml'}:6: ") and "'fp4' is not one of" in message
+    per_pool = SMALL.replace("  num_decode: 1\n", "  num_decode: 1\n  prefill:\n    kv_cache_dtype: fp8\n")
+    assert "unknown key cluster.prefill.kv_cache_dtype" in _refused(tmp_path, per_pool)
+
+
 def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
     assert ":3: not valid YAML" in _refused(tmp_path, "engine:\n  device: cpu\n\tcache: {}\n")
     with pytest.raises(ConfigError, match="cannot read the config file"):

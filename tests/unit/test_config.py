@@ -90,6 +90,9 @@ def test_unknown_section_key_is_named(tmp_path: Path) -> None:
         ({"role": "x"}, "role: 'x'"),
         ({"device": "tpu"}, "device: 'tpu'"),
         ({"num_threads": 0}, "num_threads: 0"),
+        ({"cache": {"kv_cache_dtype": "int8"}}, r"cache\.kv_cache_dtype: 'int8' is not one of \('auto', 'fp8', 'fp8_e4m3'\)"),
+        ({"cache": {"kv_cache_dtype": "fp8_e5m2"}}, r"cache\.kv_cache_dtype: 'fp8_e5m2' is not one of"),
+        ({"cache": {"kv_cache_dtype": 8}}, r"cache\.kv_cache_dtype: 8 has type int; expected str"),
     ],
 )
 def test_bad_values_raise_config_error(data: dict[str, Any], message: str) -> None:
@@ -151,3 +154,16 @@ def test_with_overrides_changes_only_the_named_options() -> None:
 def test_with_overrides_validates() -> None:
     with pytest.raises(ConfigError, match=r"scheduler\.max_num_seqs: 0"):
         EngineConfig().with_overrides(max_num_seqs=0)
+
+
+@pytest.mark.parametrize("name", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_values_and_what_they_resolve_to(name: str) -> None:
+    import torch
+
+    from engine.resolve import resolve_kv_cache_dtype
+
+    config = EngineConfig.from_kwargs("smollm2-135m-instruct", kv_cache_dtype=name)  # LLM(..., kv_cache_dtype=)
+    assert config.cache.kv_cache_dtype == name
+    expected = torch.bfloat16 if name == "auto" else torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype(name, torch.bfloat16) == expected
+    assert EngineConfig().cache.kv_cache_dtype == "auto"

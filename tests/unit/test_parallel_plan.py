@@ -17,7 +17,14 @@ from engine.loader import ModelSource, load_model
 from engine.models import ModelArchConfig
 from engine.parallel.executor import ParallelExecutor
 from engine.parallel.launch import WorkerExit, WorkerSpec
-from engine.parallel.messages import KVCacheInit, decode_init, decode_step, encode_init, encode_step
+from engine.parallel.messages import (
+    KVCacheInit,
+    decode_init,
+    decode_step,
+    encode_init,
+    encode_step,
+    kv_cache_dtype_of,
+)
 from engine.parallel.pipeline import split_micro_batches
 from engine.parallel.topology import Topology, check_model, kv_heads_of
 from engine.request import RequestId
@@ -167,8 +174,9 @@ def test_step_message_round_trips() -> None:
         removed_request_ids=frozenset({RequestId("gone"), RequestId("old")}),
     )
     assert decode_step(encode_step(output)) == output
-    init = KVCacheInit(num_blocks=100, block_size=16, max_model_len=2048)
+    init = KVCacheInit(num_blocks=100, block_size=16, max_model_len=2048, kv_cache_dtype="float8_e4m3fn")
     assert decode_init(encode_init(init)) == init
+    assert kv_cache_dtype_of(init) == torch.float8_e4m3fn
 
 
 def test_worker_spec_round_trips_as_json() -> None:
