@@ -5,8 +5,16 @@ of its adapter (-1: the base model), and one call serves all of them.
     expand:  y[t] += s[t] @ B[slot[t]].T            B: [L, M, R]  (y may be a column slice)
 
 `*_reference` are the definitions (a per-token gather) the tests compare against. The
-dispatch functions take the batch's tokens grouped by slot when the caller knows them on
-the host (`groups`: an eager step): then each adapter costs a gather and two matmuls, on
+dispatch functions differ from them in two ways that save launches on CUDA:
+
+- `lora_shrink` returns s as partials [S, T, N] whose sum over S is s (one per slice of K
+  on CUDA, S = 1 elsewhere); `lora_expand_add` takes them and does the sum.
+- `lora_expand_add` serves every part of a fused linear at once: `part_sizes` splits y's
+  and B's columns into parts (B: [L, sum(part_sizes), R]), and part p reads s's columns
+  p*R .. (p+1)*R (a fused linear's A holds one rank block per part, concatenated).
+
+They take the batch's tokens grouped by slot when the caller knows them on the host
+(`groups`: an eager step): then each adapter costs a gather and two matmuls per part, on
 any device. Without groups (a CUDA graph, whose slots change at every replay) they run
 the Triton kernels (kernels/triton_lora.py: blocks of consecutive tokens, a tensor-core
 dot per distinct slot of a block) on CUDA, and group on the spot on CPU.
@@ -44,7 +52,7 @@ def _groups(slots: torch.Tensor) -> SlotGroups:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None) -> torch.Tensor:
-    """x: [T, K], a: [L, N, K], slots: [T] (int, -1 = none) -> [T, N] fp32."""
+    """x: [T, K], a: [L, N, K], slots: [T] (int, -1 = none) -> s as partials [S, T, N] fp32."""
     if groups is None and x.is_cuda:
         from kernels import triton_lora
 
@@ -57,20 +65,32 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: S
             s = part
         else:
             s[idx] = part
-    return s
+    return s.unsqueeze(0)
 
 
 def lora_expand_add(
-    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None
+    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+    part_sizes: tuple[int, ...] | None = None, groups: SlotGroups | None = None,
 ) -> None:
-    """y[t] += s[t] @ b[slots[t]].T in place; y: [T, M] (a column slice is fine), s: [T, R],
-    b: [L, M, R]."""
+    """y[t, part p] += s[t, p*R:(p+1)*R] @ b[slots[t], part p].T in place, s summed over its
+    partials; y: [T, M] (a column slice is fine), s: [S, T, P*R], b: [L, M, R],
+    part_sizes: the parts' column counts (None: one part)."""
     if groups is None and y.is_cuda:
         from kernels import triton_lora
 
-        triton_lora.lora_expand_add(y, s, b, slots)
+        triton_lora.lora_expand_add(y, s, b, slots, part_sizes)
         return
-    for slot, idx in _groups(slots) if groups is None else groups:
+    summed = s[0] if s.shape[0] == 1 else s.sum(0)  # [T, P*R]
+    groups = _groups(slots) if groups is None else groups
+    r, start = b.shape[2], 0
+    for p, size in enumerate(part_sizes or (y.shape[1],)):
+        _expand_part(y[:, start : start + size], summed[:, p * r : (p + 1) * r], b[:, start : start + size], groups)
+        start += size
+
+
+def _expand_part(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, groups: SlotGroups) -> None:
+    # y: [T, M], s: [T, R], b: [L, M, R]
+    for slot, idx in groups:
         if idx is None:
             y += (s @ b[slot].float().T).to(y.dtype)
         else:

@@ -6,9 +6,16 @@ mostly share one slot: the program walks the distinct slots of its block, smalle
 (none for a block of base tokens, slot -1), and for each runs a `tl.dot` of that slot's
 rows (the others masked to zero) against that adapter's tile, on tensor cores with an fp32
 accumulator. A decode block that mixes k adapters costs k passes, each reading only its
-own tokens' rows. Only shapes and strides are read on the host, and the tile sizes depend
-on shapes alone: no sync, so the launches can be captured in a CUDA graph whose slots
-change at every replay. Offsets are int64.
+own tokens' rows.
+
+A layer's linear costs two launches: the shrink writes one fp32 partial of s per slice of
+K, and the expand adds the slices up as it loads them (in slice order) and serves every
+part of a fused linear at once: its B tile spans all parts' ranks side by side, each
+column reading only its own part's ranks (the rest masked to zero, so never fetched).
+
+Only shapes and strides are read on the host, and the tile sizes depend on shapes alone:
+no sync, so the launches can be captured in a CUDA graph whose slots change at every
+replay. Offsets are int64.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import triton
 import triton.language as tl
 
 NO_SLOT: tl.constexpr = tl.constexpr(2**31 - 1)  # above every slot: the walk is over
+MAX_NUM_PARTS = 3  # q, k, v: the part of a column is found from two boundaries
 
 
 @triton.jit
@@ -62,29 +70,37 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     y_ptr, s_ptr, b_ptr, slot_ptr,
-    T, M, R,
-    y_stride_t, s_stride_t, s_stride_r, b_stride_l, b_stride_m,
-    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    T, M, part1_start, part2_start,
+    y_stride_t, s_stride_split, s_stride_t, s_stride_r, b_stride_l, b_stride_m,
+    NUM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # y[t, m] += sum over r of s[t, r] * b[slot[t], m, r], for the tokens with a slot
+    # y[t, m] += sum over r of s[t, p*RANK + r] * b[slot[t], m, r] for the tokens with a
+    # slot, where s = the sum of the shrink's splits and p = the part that column m is in
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_j = tl.arange(0, BLOCK_J)  # every part's ranks, side by side
     mask_m = offs_m < M
-    mask_r = offs_r < R
+    mask_j = offs_j < NUM_PARTS * RANK
     slots = tl.load(slot_ptr + offs_t, mask=offs_t < T, other=-1).to(tl.int32)
+    adapted = slots >= 0  # base tokens: neither s nor y is read
+    s = tl.zeros([BLOCK_T, BLOCK_J], dtype=tl.float32)
+    s_ptrs = s_ptr + offs_t[:, None] * s_stride_t + offs_j[None, :] * s_stride_r
+    for split in tl.static_range(NUM_SPLITS):  # unrolled: the loads overlap, the adds keep their order
+        s += tl.load(s_ptrs + split * s_stride_split, mask=adapted[:, None] & mask_j[None, :], other=0.0)
+    # b_t[j, m] = b[slot, m, j % RANK] where j's part is m's part, else 0: block diagonal
+    part_m = (offs_m >= part1_start).to(tl.int32) + (offs_m >= part2_start).to(tl.int32)
+    b_offs = (offs_j % RANK)[:, None] + offs_m[None, :] * b_stride_m
+    b_mask = ((offs_j // RANK)[:, None] == part_m[None, :]) & mask_j[:, None] & mask_m[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
     slot = _next_slot(slots, -1)
     while slot < NO_SLOT:
-        rows = slots == slot
-        s = tl.load(s_ptr + offs_t[:, None] * s_stride_t + offs_r[None, :] * s_stride_r,
-                    mask=rows[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_T, BLOCK_R] fp32
-        b_t = tl.load(b_ptr + slot.to(tl.int64) * b_stride_l + offs_r[:, None] + offs_m[None, :] * b_stride_m,
-                      mask=mask_r[:, None] & mask_m[None, :], other=0.0)  # [BLOCK_R, BLOCK_M]
+        b_t = tl.load(b_ptr + slot.to(tl.int64) * b_stride_l + b_offs, mask=b_mask, other=0.0)  # [BLOCK_J, BLOCK_M]
         # s is rounded to the weights' dtype first, as PEFT's lora_B(lora_A(x)) does.
-        acc = tl.dot(s.to(b_t.dtype), b_t, acc, input_precision=DOT_PRECISION)
+        rows_s = tl.where((slots == slot)[:, None], s, 0.0).to(b_t.dtype)
+        acc = tl.dot(rows_s, b_t, acc, input_precision=DOT_PRECISION)
         slot = _next_slot(slots, slot)
-    mask = (slots >= 0)[:, None] & mask_m[None, :]  # base tokens: y is not even read
+    mask = adapted[:, None] & mask_m[None, :]
     y_ptrs = y_ptr + offs_t[:, None] * y_stride_t + offs_m[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
@@ -94,7 +110,7 @@ def _expand_kernel(
 class ShrinkTiles:
     block_t: int
     block_k: int
-    k_per_split: int  # a multiple of block_k; one program per slice of K
+    k_per_split: int  # a multiple of block_k; one program (and one partial of s) per slice of K
 
 
 def token_block(num_tokens: int) -> int:
@@ -115,7 +131,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, tiles: ShrinkTiles | None = None) -> torch.Tensor:
-    # x: [T, K], a: [L, N, K], slots: [T] -> [T, N] fp32
+    # x: [T, K], a: [L, N, K], slots: [T] -> [S, T, N] fp32, one partial per slice of K
     num_tokens, k = x.shape
     n = a.shape[1]
     assert x.stride(1) == 1 and a.stride(2) == 1, "x and a need contiguous rows"
@@ -124,7 +140,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, tiles: Sh
     num_splits = triton.cdiv(k, tiles.k_per_split)
     parts = torch.empty(num_splits, num_tokens, n, dtype=torch.float32, device=x.device)  # [S, T, N]
     if num_tokens == 0:
-        return parts.sum(0)
+        return parts
     block_n = max(16, min(triton.next_power_of_2(n), 64))
     grid = (triton.cdiv(num_tokens, tiles.block_t), triton.cdiv(n, block_n), num_splits)
     _shrink_kernel[grid](
@@ -132,23 +148,32 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, tiles: Sh
         x.stride(0), a.stride(0), a.stride(1), parts.stride(0), parts.stride(1),
         BLOCK_T=tiles.block_t, BLOCK_N=block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_dot_precision(x.dtype),
     )
-    return parts[0] if num_splits == 1 else parts.sum(0)
+    return parts
 
 
 def lora_expand_add(
-    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, block_t: int | None = None
+    y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+    part_sizes: tuple[int, ...] | None = None, block_t: int | None = None,
 ) -> None:
-    # y: [T, M] in place (column slice ok), s: [T, R], b: [L, M, R], slots: [T]
+    # y: [T, M] in place (column slice ok), s: [S, T, P*R] partials, b: [L, M, R], slots: [T];
+    # part p (part_sizes[p] columns of y and b, in order; None: one part) reads s[..., p*R:(p+1)*R]
     num_tokens, m = y.shape
     r = b.shape[2]
+    part_sizes = part_sizes or (m,)
+    num_parts = len(part_sizes)
+    assert 1 <= num_parts <= MAX_NUM_PARTS and sum(part_sizes) == m == b.shape[1], (part_sizes, y.shape, b.shape)
+    assert s.shape[1:] == (num_tokens, num_parts * r), (s.shape, num_tokens, num_parts, r)
     assert y.stride(1) == 1 and b.stride(2) == 1, "y and b need contiguous rows"
     if num_tokens == 0:
         return
+    starts = [sum(part_sizes[:p]) for p in range(1, num_parts)] + [m] * (MAX_NUM_PARTS - num_parts)
     block_t = block_t or token_block(num_tokens)
-    block_r = max(16, triton.next_power_of_2(r))
-    block_m = max(16, min(128, 4096 // block_r))
+    block_j = max(16, triton.next_power_of_2(num_parts * r))
+    block_m = max(16, min(128, 4096 // block_j))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(m, block_m))
     _expand_kernel[grid](
-        y, s, b, slots, num_tokens, m, r, y.stride(0), s.stride(0), s.stride(1), b.stride(0), b.stride(1),
-        BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_R=block_r, DOT_PRECISION=_dot_precision(b.dtype),
+        y, s, b, slots, num_tokens, m, starts[0], starts[1],
+        y.stride(0), s.stride(0), s.stride(1), s.stride(2), b.stride(0), b.stride(1),
+        NUM_SPLITS=s.shape[0], NUM_PARTS=num_parts, RANK=r,
+        BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_J=block_j, DOT_PRECISION=_dot_precision(b.dtype),
     )

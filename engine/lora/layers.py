@@ -4,8 +4,9 @@ whatever module sat there (nn.Linear, or a quantized linear) and adds the batch'
 
 A LoRALinear holds `max_loras` slots of stacked, zero-padded weights. A fused linear
 (qkv_proj, gate_up_proj) has one A per part, concatenated along the rank, and one B per
-part: one shrink for the whole input, then one expand into each part's output columns.
-The scale is folded into B when an adapter is written into a slot.
+part, stacked along the output columns: one shrink for the whole input, then one expand
+for all parts (part p's columns read s's rank block p). The scale is folded into B when
+an adapter is written into a slot.
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.context = context
-        self.part_sizes = part_sizes
+        self.part_sizes = tuple(part_sizes)
         self.max_rank = max_rank
         num_parts = len(part_sizes)
-        # lora_a: [L, P*R, in]; lora_b[p]: [L, out_p, R]
+        # lora_a: [L, P*R, in]; lora_b: [L, sum(out_p), R], part p in columns part_starts[p]..
         device = context.token_slots.device
         self.lora_a = torch.zeros(max_loras, num_parts * max_rank, in_features, dtype=dtype, device=device)
-        self.lora_b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for size in part_sizes]
+        self.lora_b = torch.zeros(max_loras, sum(part_sizes), max_rank, dtype=dtype, device=device)
+        self.part_starts = [sum(part_sizes[:p]) for p in range(num_parts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum(part_sizes)]
@@ -69,24 +71,22 @@ class LoRALinear(nn.Module):
             return y
         slots = self.context.token_slots[: x.shape[0]]
         groups = self.context.groups
-        s = lora_shrink(x, self.lora_a, slots, groups)  # [T, P*R] fp32
-        r, offset = self.max_rank, 0
-        for p, size in enumerate(self.part_sizes):
-            lora_expand_add(y[:, offset : offset + size], s[:, p * r : (p + 1) * r], self.lora_b[p], slots, groups)
-            offset += size
+        s = lora_shrink(x, self.lora_a, slots, groups)  # [S, T, P*R] fp32 partials
+        lora_expand_add(y, s, self.lora_b, slots, self.part_sizes, groups)
         return y
 
     def write_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None, scale: float) -> None:
         """Put one part's A [r, in] and B [out, r] into `slot` (None: zero it)."""
-        r = self.max_rank
-        rows = self.lora_a[slot, part * r : (part + 1) * r]
+        r, start = self.max_rank, self.part_starts[part]
+        rows = self.lora_a[slot, part * r : (part + 1) * r]  # [R, in]
+        cols = self.lora_b[slot, start : start + self.part_sizes[part]]  # [out_p, R]
         rows.zero_()
-        self.lora_b[part][slot].zero_()
+        cols.zero_()
         if a is None or b is None:
             return
         rank = a.shape[0]
         rows[:rank].copy_(a)
-        self.lora_b[part][slot, :, :rank].copy_(b * scale)
+        cols[:, :rank].copy_(b * scale)
 
 
 def apply_lora(
