@@ -55,9 +55,7 @@ def peft_model(lora_llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> tuple
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if "lora_A" in param_name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-            elif "lora_B" in param_name:
+            if "lora_A" in param_name or "lora_B" in param_name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
     root = tmp_path_factory.mktemp("adapters")
     model.save_pretrained(str(root))  # each adapter in root/<name>
