@@ -17,22 +17,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-from typing import Any
 
 import torch
 
-from benchmarks.bench_gpu import ours_generate, prompts
+from benchmarks.bench_gpu import RESULTS, ours_generate, prompts, record
 from engine import LLM
 from kernels.fp8_kv import FP8_KV_DTYPE, quantize
 from kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
 
 PRESET = "llama-3.1-8b"
-RESULTS: list[dict[str, Any]] = []
-
-
-def record(**row: Any) -> None:
-    RESULTS.append(row)
-    print(json.dumps(row), flush=True)
 
 
 def copy_gbps() -> float:

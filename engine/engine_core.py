@@ -38,6 +38,7 @@ from engine.loader import ModelSource, load_model, resolve
 from engine.lora import LoRAAdapterError, LoRAManager, load_adapter, lora_extra_key
 from engine.model_runner import ModelRunner, kv_cache_block_bytes
 from engine.models import CausalLM, ModelArchConfig
+from engine.models.kv_scales import warn_once_if_unscaled
 from engine.parallel.executor import ParallelExecutor
 from engine.parallel.topology import check_expert_parallel
 from engine.request import Request, RequestId, RequestStatus
@@ -128,7 +129,7 @@ class EngineCore:
             model = load_model(self.source, self.dtype, self.device, config.model.seed)
         self.model = model
         if config.cache.kv_cache_dtype != "auto":
-            _note_kv_scales(model)
+            warn_once_if_unscaled(model.kv_scales_loaded)
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
         if num_blocks * block_size < self.max_model_len:
@@ -421,23 +422,6 @@ class EngineCore:
             lora_names=tuple(self.list_loras()),
             lora_resident_names=tuple(self.lora.resident_names) if self.lora is not None else (),
         )
-
-
-_warned_no_kv_scales = False
-
-
-def _note_kv_scales(model: CausalLM) -> None:
-    """An fp8 KV cache without the checkpoint's scales divides by 1.0 (vLLM's default): say so
-    once per process, since values beyond +-448 then saturate."""
-    global _warned_no_kv_scales
-    if model.kv_scales_loaded or _warned_no_kv_scales:
-        return
-    _warned_no_kv_scales = True
-    logger.warning(
-        "fp8 KV cache: the checkpoint has no k_scale/v_scale, so every layer uses scale 1.0; "
-        "K/V values beyond +-448 saturate. A checkpoint calibrated with KV cache scales "
-        "(llm-compressor, ModelOpt) avoids that."
-    )
 
 
 __all__ = ["EngineCore", "EngineStats"]

@@ -13,9 +13,13 @@ are recognised and skipped, as vLLM does without fp8 attention.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
+
+logger = logging.getLogger(__name__)
+_warned_unscaled = False
 
 _PATTERNS = (
     (re.compile(r"^(.*\.self_attn)\.([kv])_scale$"), ("{0}.{1}_scale",)),
@@ -44,3 +48,17 @@ def per_layer_scale(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(scale).all()) or float(scale) <= 0.0:
         raise ValueError(f"{name}: KV cache scale {float(scale)} must be positive and finite")
     return scale
+
+
+def warn_once_if_unscaled(scales_loaded: bool) -> None:
+    """An fp8 KV cache without the checkpoint's scales divides by 1.0 (vLLM's default): say so
+    once per process, since values beyond +-448 then saturate."""
+    global _warned_unscaled
+    if scales_loaded or _warned_unscaled:
+        return
+    _warned_unscaled = True
+    logger.warning(
+        "fp8 KV cache: the checkpoint has no k_scale/v_scale, so every layer uses scale 1.0; "
+        "K/V values beyond +-448 saturate. A checkpoint calibrated with KV cache scales "
+        "(llm-compressor, ModelOpt) avoids that."
+    )
