@@ -21,6 +21,7 @@ __all__ = [
     "linear",
     "paged_attention",
     "rotary_embedding",
+    "rotary_write_kv_cache",
     "silu_and_mul",
     "write_kv_cache",
 ]
@@ -94,6 +95,27 @@ def rotary_embedding(
     from kernels import triton_ops
 
     return triton_ops.rotary_embedding(q, k, cos, sin)
+
+
+def rotary_write_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding` of q, k, then `write_kv_cache` of the rotated k and v; returns the
+    rotated (q, k). On CUDA one launch, which rotates q and k in place: their storage (the
+    qkv projection's output) is overwritten, so callers use only the returned tensors."""
+    if not q.is_cuda:
+        return torch_ops.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale)
+    from kernels import triton_rotary_kv
+
+    return triton_rotary_kv.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

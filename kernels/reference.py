@@ -127,6 +127,24 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
+def rotary_write_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding` of q and k, then `write_kv_cache` of the rotated k and v; returns
+    the rotated (q, k). (The CUDA kernel rotates q and k in place as well.)"""
+    q, k = rotary_embedding(q, k, cos, sin)
+    write_kv_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    return q, k
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
     gate, up = x.chunk(2, dim=-1)
