@@ -1,15 +1,19 @@
 """Batch-1 linear layers on the GPU: the Triton GEMV (kernels.linear) against cuBLAS
-(F.linear), both against the copy bandwidth measured in the same run.
+(F.linear), and the 1-byte GEMV (kernels/triton_gemv.py, through kernels/quant_ops as
+decode calls it) on fp8 and int8 weights of the same shapes, all against the copy
+bandwidth measured in the same run.
 
-    PYTHONPATH=. python benchmarks/bench_gemv.py
+    PYTHONPATH=. python benchmarks/bench_gemv.py [--sweep]
 
 Shapes: llama-3.1-8b and llama-3.2-1b's qkv, o, gate_up and down projections. Each is
 timed inside a CUDA graph (as decode steps run) over enough distinct weights to exceed
-the 50 MB L2, so every weight comes from HBM.
+the 50 MB L2, so every weight comes from HBM. `--sweep` then times the 1-byte GEMV's block
+shapes (BLOCK_N x BLOCK_K, warps) on the 8b shapes, the search behind `pick_blocks`.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import time
@@ -19,6 +23,8 @@ import torch
 from torch.nn import functional as F
 
 import kernels
+from kernels import quant_ops
+from kernels.triton_gemv import gemv_w8
 
 SHAPES = {  # name: (N, K)
     "8b qkv": (6144, 4096),
@@ -62,7 +68,13 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (do_bench(lambda: dst.copy_(src)) * 1e-3)
 
 
+SWEEP_BLOCKS = [(4, 2048, 4), (2, 2048, 4), (8, 2048, 4), (4, 1024, 4), (8, 1024, 4), (4, 4096, 4), (4, 2048, 2)]
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time the 1-byte GEMV's block shapes")
+    args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"copy_GBps": round(bandwidth / 1e9)}), flush=True)
     for name, (n, k) in SHAPES.items():
@@ -75,7 +87,48 @@ def main() -> None:
             row[f"{label}_us"] = round(seconds * 1e6, 1)
             row[f"{label}_GBps"] = round(nbytes / seconds / 1e9)
             row[f"{label}_of_copy"] = round(nbytes / seconds / bandwidth, 3)
+        del weights
+        for label, fn in w8_linears(n, k):
+            seconds = graph_seconds(fn)
+            row[f"{label}_us"] = round(seconds * 1e6, 1)
+            row[f"{label}_of_copy"] = round(n * k / seconds / bandwidth, 3)
         print(json.dumps(row), flush=True)
+    if args.sweep:
+        sweep(bandwidth)
+
+
+def sweep(bandwidth: float) -> None:
+    """Each (BLOCK_N, BLOCK_K, warps) of SWEEP_BLOCKS on fp8 and int8 weights of the 8b shapes."""
+    for name, (n, k) in SHAPES.items():
+        if not name.startswith("8b"):
+            continue
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        scale = torch.rand(n, device="cuda") * 0.01
+        count = max(2, int(4e8 // (n * k)))
+        for fmt in ("fp8", "int8"):
+            if fmt == "fp8":
+                qs = [(torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(count)]
+            else:
+                qs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(count)]
+            for block_n, block_k, warps in SWEEP_BLOCKS:
+                calls = [functools.partial(gemv_w8, x, q, scale, None, block_n, block_k, warps) for q in qs]
+                seconds = graph_seconds(calls)
+                row = {"shape": name, "fmt": fmt, "blocks": f"{block_n}x{block_k}", "warps": warps}
+                print(json.dumps(row | {"us": round(seconds * 1e6, 2), "of_copy": round(n * k / seconds / bandwidth, 3)}))
+            del qs
+
+
+def w8_linears(n: int, k: int) -> list[tuple[str, list[Callable[[], object]]]]:
+    """("fp8" | "int8", calls of the 1-byte linear at one row over 400 MB of weights)."""
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    scale = torch.rand(1, n, device="cuda") * 0.01
+    count = max(2, int(4e8 // (n * k)))
+    fp8 = [(torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(count)]
+    int8 = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(count)]
+    return [
+        ("fp8", [functools.partial(quant_ops.fp8_linear, x, q, scale, None) for q in fp8]),
+        ("int8", [functools.partial(quant_ops.int8_linear, x, q, scale[0], None) for q in int8]),
+    ]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ _INT8_TRITON_MAX_ROWS = 256
 # cores gain nothing, and quantizing x would be a second launch); above, W8A8 on _scaled_mm.
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
 # Rows up to which 1-byte weights take the GEMV (kernels/triton_gemv.py): it repeats the
-# weight's conversion for each row, and at 4 rows the 16-row tiles were faster on the H200.
+# weight's conversion for each row; on the H200 the 16-row tiles were faster at 4 rows on
+# every llama-8b shape and at 2 rows on gate_up (docs/benchmarks.md).
 _W8_GEMV_MAX_ROWS = 1
 
 

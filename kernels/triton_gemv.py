@@ -1,18 +1,23 @@
-"""Weight-only GEMV for decode: y [M, N] = (x [M, K] @ w [N, K].T) * scale[N] + bias, for a
-few rows of x (M <= GEMV_MAX_ROWS) and 1-byte weights: int8 (INT8 weight-only) or fp8 e4m3
+"""Weight-only GEMV for decode: y [M, N] = (x [M, K] @ w [N, K].T) * scale[N] + bias, for
+a few rows of x (M <= GEMV_MAX_ROWS) and 1-byte weights: int8 (INT8 weight-only) or fp8 e4m3
 (FP8 at decode: w8a16, the activations stay in x's dtype, not quantized).
 
 At batch 1 a linear does two flops per weight byte, so it is bound by how fast the weight
-streams in. Each program reads BLOCK_N whole rows of w (K contiguous: 16-byte loads) for
-one row of x and keeps a [BLOCK_N, BLOCK_K] fp32 accumulator that is summed over K once at
-the end, so the loop has no cross-thread reductions. No split-K: the N of a llama linear
-(4096..28672) gives hundreds of programs at BLOCK_N 8, and one launch writes y in x's dtype
-(no zeroed fp32 buffer, no cast afterwards). Rows of x are programs of their own: the
-second row's weight tiles come from L2, not memory.
+streams in. Each program reads BLOCK_N whole rows of w in [BLOCK_N, BLOCK_K] tiles (16-byte
+loads along K, marked evict-first: each byte is read once) and sums each tile into BLOCK_N
+fp32 partial sums as it goes, so it holds few registers and many programs fit on an SM.
+x is addressed per weight row with stride 0: it loads straight into the weight tile's
+layout, from L1, with no shuffle through shared memory and no barrier per tile. No split-K
+(it was slower on every llama shape): one launch writes y in x's dtype. Rows of x are
+programs of their own: the second row's weight tiles come from L2, not memory.
 
-Both formats arrive as their uint8 bits: masked loads of fp8 with `other` misbehave in the
-Triton interpreter, and int8 converts through the float trick below, not I2F, which Hopper
-issues at 1/8 of the fp32 rate. No host sync: graph-capturable.
+Per weight the loop issues a conversion, a widening to fp32 and an fma: fp8 pairs go
+through cvt.rn.f16x2.e4m3x2; int8 quads through PTX below (a byte permute under the fp16
+exponent of 1024 and one f16x2 subtract per pair), not I2F, which Hopper issues at 1/8 of
+the fp32 rate. Both formats arrive as their uint8 bits (masked fp8 loads with `other`
+misbehave in the Triton interpreter, which also runs no inline PTX: there int8 converts
+through the fp32 float trick). No host sync: graph-capturable. Timings and the sweep that
+chose the blocks: docs/benchmarks.md ("Quantization on one H200").
 Definition: `kernels/quant_ops.int8_linear_reference` / `fp8_weight_only_reference`.
 """
 
@@ -26,10 +31,37 @@ GEMV_MAX_ROWS = 4
 
 
 @triton.jit
-def w8_to_float(bits, FP8: tl.constexpr):
+def _int8_to_float_ptx(bits):
+    """Four int8 weights (their uint8 bits) at a time -> fp32, through fp16 pairs: (b ^ 0x80)
+    under the fp16 exponent byte 0x64 is 1024 + q + 128, minus 1152 in one f16x2 subtract."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, lo, hi, c;
+        .reg .b16 h0, h1, h2, h3;
+        xor.b32 t, $4, 0x80808080;
+        mov.b32 c, 0x64806480;
+        prmt.b32 lo, t, 0x64646464, 0x7170;
+        prmt.b32 hi, t, 0x64646464, 0x7372;
+        sub.f16x2 lo, lo, c;
+        sub.f16x2 hi, hi, c;
+        mov.b32 {h0, h1}, lo;
+        mov.b32 {h2, h3}, hi;
+        cvt.f32.f16 $0, h0;
+        cvt.f32.f16 $1, h1;
+        cvt.f32.f16 $2, h2;
+        cvt.f32.f16 $3, h3;
+        }""",
+        "=r,=r,=r,=r,r", [bits], dtype=tl.float32, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def w8_to_float(bits, FP8: tl.constexpr, INT8_PTX: tl.constexpr = False):
     """uint8 bits of int8 or fp8 e4m3 weights -> their fp32 values."""
     if FP8:
         return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if INT8_PTX:
+        return _int8_to_float_ptx(bits)
     # int8 q has bits b; (b ^ 0x80) = q + 128 in 0..255, and 0x4B000000 | (q + 128) is the
     # fp32 2^23 + q + 128: exact, two integer ops and one add.
     magic = (bits.to(tl.int32) ^ 0x80) | 0x4B000000
@@ -37,32 +69,40 @@ def w8_to_float(bits, FP8: tl.constexpr):
 
 
 @triton.jit
+def _load_k(rows, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+    """rows: [BLOCK_N, 1] pointers -> the [BLOCK_N, BLOCK_K] tile at k0 (0 past K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)[None, :]
+    if EVEN_K:
+        return tl.load(rows + offs_k, eviction_policy=EVICT)
+    return tl.load(rows + offs_k, mask=offs_k < K, other=0, eviction_policy=EVICT)
+
+
+@triton.jit
 def _gemv_w8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64)[:, None] * stride_wn  # [BN, 1]; past N: row 0
+    x_row = x_ptr + row * stride_xm + 0 * offs_n[:, None]  # [BN, 1]: x in the weight tile's layout
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        bits = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0)  # [BN, BK]
-        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask_k, other=0.0)  # [BK]
-        acc += x.to(tl.float32)[None, :] * w8_to_float(bits, FP8)
-    y = tl.sum(acc, axis=1) * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+        bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")  # [BN, BK]
+        x = _load_k(x_row, k0, K, EVEN_K, BLOCK_K, "")  # [BN, BK], the same x in every row
+        acc += tl.sum(x.to(tl.float32) * w8_to_float(bits, FP8, INT8_PTX), axis=1)
+    y = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 def pick_blocks(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): the best of benchmarks/bench_int4_gemm.py --sweep on the H200
-    (8 x 512 for K 4096, 8 x 1024 for K 14336); BLOCK_N 8 gives 512 programs for N = 4096,
-    and small N gets narrower blocks."""
-    return (8 if n >= 1024 else 4), (1024 if k >= 8192 else 512)
+    """(BLOCK_N, BLOCK_K): the best of a sweep on llama-3.1-8b's four shapes on the H200 in
+    CUDA-graph timing (docs/benchmarks.md), 4 x 2048 for each; K under 2048 takes one tile."""
+    return 4, min(2048, triton.next_power_of_2(k))
 
 
 def gemv_w8(
@@ -79,19 +119,20 @@ def gemv_w8(
     assert x.dim() == 2 and qweight.dim() == 2 and x.shape[1] == qweight.shape[1], (x.shape, qweight.shape)
     assert qweight.dtype in (torch.int8, torch.float8_e4m3fn), qweight.dtype
     assert scale.dtype == torch.float32 and scale.numel() == qweight.shape[0] and scale.is_contiguous()
-    assert qweight.stride(1) == 1 and qweight.numel() < 2**31, "qweight must be [N, K] with contiguous rows"
+    assert qweight.stride(1) == 1, "qweight must be [N, K] with contiguous rows"
     x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= GEMV_MAX_ROWS, f"{m} rows: the GEMV is for decode (at most {GEMV_MAX_ROWS})"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     default_n, default_k = pick_blocks(n, k)
-    block_n, block_k = block_n or default_n, block_k or default_k
+    block_n = block_n or default_n
+    block_k = min(block_k or default_k, triton.next_power_of_2(k))
     grid = (m, triton.cdiv(n, block_n))
     _gemv_w8_kernel[grid](
         x, qweight.view(torch.uint8), scale, bias if bias is not None else scale, y,
         n, k, x.stride(0), qweight.stride(0), y.stride(0),
-        FP8=qweight.dtype == torch.float8_e4m3fn, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=num_warps,
+        FP8=qweight.dtype == torch.float8_e4m3fn, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, num_warps=num_warps,
     )  # fmt: skip
     return y

@@ -57,6 +57,18 @@ def test_gemv_w8_matches_reference(fmt: str, dtype: torch.dtype, m: int, n: int,
     assert_close(actual, quant_ops.int8_linear_reference(x, q, scale, bias), dtype)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("blocks", [(None, None), (4, 64), (2, 128)], ids=["default", "4x64", "2x128"])
+@pytest.mark.parametrize("k", [256, 200])
+def test_gemv_w8_blocks(fmt: str, blocks: tuple[int | None, int | None], k: int) -> None:
+    """K a multiple of the tile (unmasked loads) or not, one tile (the default) or several."""
+    q, scale = quantize_w8(fmt, 21, k)
+    x = randn(2, k, dtype=torch.float16, seed=4)
+    bias = randn(21, dtype=torch.float16, seed=5)
+    actual = gemv_w8(x, q, scale, bias, *blocks)
+    assert_close(actual, quant_ops.int8_linear_reference(x, q, scale, bias), torch.float16)
+
+
 def test_gemv_w8_fp8_takes_the_rowwise_scale_layout() -> None:
     """Fp8Linear keeps its scale as [1, N] (the layout torch._scaled_mm takes)."""
     q, scale = quantize_w8("fp8", 24, 64)
@@ -74,6 +86,16 @@ def test_gemv_w8_fp8_decodes_every_code() -> None:
     x[0, 5] = 1.0
     y = gemv_w8(x, q, torch.ones(len(codes), device=DEVICE), None)
     assert torch.equal(y[0].cpu(), codes.view(torch.float8_e4m3fn).float())
+
+
+def test_gemv_w8_int8_decodes_every_code() -> None:
+    """All 256 int8 codes (-128 too), as the weight of one output each, through one-hot x."""
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    q = codes[:, None].repeat(1, 16).to(DEVICE)  # [256, 16]
+    x = torch.zeros(1, 16, device=DEVICE)
+    x[0, 7] = 1.0
+    y = gemv_w8(x, q, torch.ones(len(codes), device=DEVICE), None)
+    assert torch.equal(y[0].cpu(), codes.float())
 
 
 def test_gemv_w8_int8_extremes() -> None:
