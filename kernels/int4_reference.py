@@ -25,7 +25,7 @@ import torch
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # AWQ_NIBBLE[j]: the nibble that holds output 8c + j (the inverse of AWQ_ORDER).
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
-LAYOUTS = ("gptq", "awq")
+LAYOUTS = ("gptq", "awq", "rows")  # rows: GPTQ repacked at load (kernels/int4_rows.py)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,12 @@ def dequantize(
     """The fp32 weight [K, N] of packed INT4 tensors. g_idx: int [K], the group of each
     input (act-order), or None for groups of `group_size` consecutive inputs (-1: one)."""
     assert layout in LAYOUTS, layout
-    q = unpack_rows(qweight) if layout == "gptq" else unpack_cols(qweight, "awq")  # [K, N]
+    if layout == "rows":
+        from kernels.int4_rows import unpack_rows_layout  # it imports this module
+
+        q = unpack_rows_layout(qweight)  # [K, N]
+    else:
+        q = unpack_rows(qweight) if layout == "gptq" else unpack_cols(qweight, "awq")  # [K, N]
     zeros = unpack_cols(qzeros, layout) + zero_offset  # [G, N]
     if g_idx is None:
         g_idx = group_index(q.shape[0], group_size, q.device)

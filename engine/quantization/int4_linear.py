@@ -12,6 +12,10 @@ AWQ is loaded in its own layout, then repacked once into GPTQ's (packed along th
 dim, sequential zeros, zero offset 0: GPTQ v2), which dequantizes to the same weights:
 AWQ's packing along the output dim with an interleave costs its kernels a per-element
 shuffle, and was 1.4x slower than GPTQ's at batch 1 on the H200 (docs/benchmarks.md).
+Then, without act-order and where the shapes allow (kernels/int4_rows.py), GPTQ's qweight
+is repacked once more into the rows layout (each output's inputs contiguous), which the
+batch-1 GEMV streams 1.1-1.4x faster; zeros and scales keep GPTQ's layout. Both repacks
+are exact, and loading ends with them: load_shard refuses tensors afterwards.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import kernels
 from engine.errors import ModelLoadError
 from engine.quantization.int4_pack import PACK, pack_cols, pack_rows
 from kernels.int4_reference import group_index, unpack_cols
+from kernels.int4_rows import gptq_to_rows, rows_layout_fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +80,7 @@ class Int4Spec:
 class Int4Linear(nn.Module):
     """x [T, in_features] -> [T, out_features] through INT4 weights of one format."""
 
-    qweight: torch.Tensor  # int32, GPTQ [K/8, N], AWQ [K, N/8]
+    qweight: torch.Tensor  # int32, GPTQ [K/8, N], AWQ [K, N/8], rows [N, K/8] (after loading)
     qzeros: torch.Tensor  # int32 [G, N/8]
     scales: torch.Tensor  # fp16 [G, N]
     g_idx: torch.Tensor  # int32 [K] (GPTQ only)
@@ -99,7 +104,8 @@ class Int4Linear(nn.Module):
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes) + 1)]
         # act_order: g_idx is not groups of consecutive inputs, so the kernel gathers by it.
         self.act_order = False
-        # The layout the tensors are in now: the checkpoint's, until AWQ is repacked as GPTQ.
+        # The layout the tensors are in now: the checkpoint's, until finish_loading repacks
+        # AWQ as GPTQ and GPTQ as rows (see the module docstring).
         self.layout = spec.method
         self._loaded: set[tuple[str, int]] = set()  # (tensor, part) pairs seen by load_shard
         shapes = spec.shapes(in_features, self.out_features)
@@ -191,7 +197,20 @@ class Int4Linear(nn.Module):
                 f"{self.spec.method} layer (in={self.in_features}, out={self.output_sizes}): the checkpoint "
                 f"lacks {', '.join(missing)}"
             )
+        self._repack()
+
+    def _repack(self) -> None:
         self._repack_awq_as_gptq()
+        self._repack_gptq_as_rows()
+
+    @torch.no_grad()
+    def _repack_gptq_as_rows(self) -> None:
+        """GPTQ qweight [K/8, N] -> rows qweight [N, K/8] (kernels/int4_rows.py): the same
+        4-bit values; zeros, scales and zero offset unchanged."""
+        if self.layout != "gptq" or self.act_order or not rows_layout_fits(self.in_features, self.spec.group_size):
+            return
+        self.qweight = gptq_to_rows(self.qweight)
+        self.layout = "rows"
 
     @torch.no_grad()
     def _repack_awq_as_gptq(self) -> None:
@@ -228,7 +247,7 @@ class Int4Linear(nn.Module):
         if self.spec.method == "gptq":
             self.g_idx.copy_(group_index(self.in_features, self.spec.group_size, device))
         self.act_order = False
-        self._repack_awq_as_gptq()
+        self._repack()
 
 
 class Int4Method:

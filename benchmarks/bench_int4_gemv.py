@@ -1,0 +1,125 @@
+"""The batch-1 INT4 GEMV as decode runs it: many calls in one CUDA graph over weights
+larger than the L2 (benchmarks/bench_gemv.py's `graph_seconds`), on llama-3.1-8b's shapes.
+Per shape, in one run: the bf16 GEMV (kernels.linear), the GPTQ-layout split-K GEMV
+(kernels/triton_int4_gemv.py) and the rows-layout GEMV (kernels/triton_int4_rows.py) over
+a sweep of its configs; GB/s counts packed weight bytes (K * N / 2), against the copy
+bandwidth of the same run. Then M = 4 and 16 (batched decode): the rows layout's tl.dot
+tiles against the GPTQ kernels, and a check of each path against the torch reference.
+
+    PYTHONPATH=. python benchmarks/bench_int4_gemv.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+from collections.abc import Callable
+
+import torch
+
+import kernels
+from benchmarks.bench_gemv import copy_bandwidth, graph_seconds
+from kernels import int4_reference
+from kernels.int4_rows import gptq_to_rows
+from kernels.triton_int4_gemm import int4_gemm
+from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+from kernels.triton_int4_rows import gemv_rows, int4_gemm_rows, pick_rows_config
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+GROUP = 128
+# (block_n, unroll, num_warps, num_stages, programs per SM): 4 or 8 rows per thread (block_n
+# / (8 num_warps)), 1 or 2 blocks of 128 inputs per step, 2-4 tiles in flight; stages 1 (no
+# pipelining) once as a control.
+SWEEP = [(32, 1, 1, 1, 4)] + [
+    (bn, u, w, st, pps)
+    for (bn, w), u, st, pps in itertools.product(
+        ((64, 2), (128, 4), (64, 1), (128, 2)), (1, 2), (2, 3, 4), (4, 8)
+    )
+]
+
+
+def packed_set(k: int, n: int) -> dict[str, torch.Tensor]:
+    """Random valid GPTQ tensors (any bits are valid nibbles) and their rows repack."""
+    qweight = torch.randint(-(2**31), 2**31, (k // 8, n), device="cuda", dtype=torch.int32)
+    return {
+        "qweight": qweight,
+        "rows": gptq_to_rows(qweight),
+        "qzeros": torch.randint(-(2**31), 2**31, (k // GROUP, n // 8), device="cuda", dtype=torch.int32),
+        "scales": (torch.rand(k // GROUP, n, device="cuda") * 0.01).half(),
+    }
+
+
+def timed(calls: list[Callable[[], object]]) -> float:
+    return graph_seconds(calls) * 1e6
+
+
+def gemv_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool) -> None:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    packed_bytes = k * n // 2
+    row: dict[str, object] = {"shape": name, "K": k, "N": n}
+
+    def record(label: str, us: float, nbytes: int = packed_bytes) -> None:
+        row[f"{label}_us"] = round(us, 2)
+        row[f"{label}_GBps"] = round(nbytes / us / 1e3)
+        row[f"{label}_of_copy"] = round(nbytes / us / 1e3 / (bandwidth / 1e9), 3)
+
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, int(4e8 // (2 * k * n))))]
+    record("bf16", timed([functools.partial(kernels.linear, x, w) for w in weights]), 2 * k * n)
+    del weights
+    old = pick_gemv_config(1, n, k, GROUP, num_sms)
+    record("gptq_old", timed([functools.partial(gemv_int4, x, t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1, old) for t in sets]))
+    sweep = []
+    for block_n, unroll, warps, stages, pps in [] if quick else SWEEP:
+        cfg = pick_rows_config(n, k, num_sms, block_n, unroll, warps, pps, stages)
+        calls = [functools.partial(gemv_rows, x, t["rows"], t["qzeros"], t["scales"], None, GROUP, 1, cfg) for t in sets]
+        sweep.append((timed(calls), f"bn={block_n} u={unroll} w={warps} st={stages} pps={pps} split={cfg.split_k}"))
+    default = pick_rows_config(n, k, num_sms)
+    record("rows_default", timed([functools.partial(gemv_rows, x, t["rows"], t["qzeros"], t["scales"], None, GROUP, 1, default) for t in sets]))
+    row["rows_default_config"] = repr(default)
+    if sweep:
+        sweep.sort()
+        print(json.dumps({"shape": name, "rows_sweep_best": [(round(us, 2), c) for us, c in sweep[:6]]}), flush=True)
+        record("rows_best", sweep[0][0])
+        row["rows_best_config"] = sweep[0][1]
+    print(json.dumps(row), flush=True)
+
+
+def check_and_batched(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]]) -> None:
+    """Relative error of each path against the reference (fp32 on the GPU), and M = 4, 16 timings."""
+    t = sets[0]
+    row: dict[str, object] = {"shape": name}
+    for m in (1, 4, 16, 64, 200):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1).float()
+        new = kernels.int4_gemm(x, t["rows"], t["qzeros"], t["scales"], None, GROUP, "rows", 1).float()
+        old = int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1).float()
+        row[f"m{m}_rel_err_rows"] = float((new - ref).norm() / ref.norm())
+        row[f"m{m}_rel_err_gptq"] = float((old - ref).norm() / ref.norm())
+        if m in (4, 16, 64):
+            args = (t["qzeros"], t["scales"], None, GROUP)
+            row[f"m{m}_rows_us"] = round(timed([functools.partial(int4_gemm_rows, x, s["rows"], s["qzeros"], s["scales"], GROUP, 1) for s in sets]), 2)
+            row[f"m{m}_gptq_us"] = round(timed([functools.partial(int4_gemm, x, s["qweight"], *args, "gptq", 1) for s in sets]), 2)
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="the default rows config only (no sweep)")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
+        gemv_row(name, k, n, sets, bandwidth, args.quick)
+        check_and_batched(name, k, n, sets)
+        del sets
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The "rows" INT4 layout: GPTQ's weights repacked at load so that each output's inputs are
+contiguous, which is what a batch-1 GEMV wants (kernels/triton_int4_rows.py reads it).
+
+  qweight int32 [N, K/8]   row n holds output n; inputs come in blocks of ROW_BLOCK = 128:
+                           nibble j (bits 4j..4j+3) of word w of block b holds input
+                           128 b + 16 j + w  (w < 16)
+  qzeros, scales           GPTQ's, unchanged ([G, N/8] sequential nibbles, [G, N])
+
+So the j-th nibbles of a block's 16 words are 16 consecutive inputs: a kernel reads the
+matching x as one contiguous vector per nibble, and each run of 16 inputs sits in one group
+when the group size divides 128 or is a multiple of it (`rows_layout_fits`).
+The torch functions here are the definition: `rows_to_gptq(gptq_to_rows(w)) == w`, and
+kernels/int4_reference.py dequantizes a "rows" weight through `unpack_rows_layout` (the CPU path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.int4_reference import unpack_rows
+
+ROW_BLOCK = 128  # inputs per block
+WORDS_PER_BLOCK = ROW_BLOCK // 8
+_CHUNK = 4096  # outputs repacked at a time (bounds the int64 temporaries)
+
+
+def rows_layout_fits(in_features: int, group_size: int) -> bool:
+    """Whether a GPTQ weight of these inputs (groups of consecutive inputs, -1: one group)
+    can be held in the rows layout: whole blocks, and no 16-input run across two groups."""
+    group = in_features if group_size == -1 else group_size
+    return in_features % ROW_BLOCK == 0 and group % 16 == 0 and (ROW_BLOCK % group == 0 or group % ROW_BLOCK == 0)
+
+
+def _pack_last(values: torch.Tensor) -> torch.Tensor:
+    """int [..., 8] values 0..15 -> int32 [...]: value j in nibble j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.long, device=values.device)
+    words = (values.long() << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def gptq_to_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ qweight [K/8, N] -> rows qweight [N, K/8] (the same 4-bit values)."""
+    num_words, out_features = qweight.shape
+    assert (num_words * 8) % ROW_BLOCK == 0, f"{num_words * 8} inputs are not whole blocks of {ROW_BLOCK}"
+    parts = []
+    for start in range(0, out_features, _CHUNK):
+        q = unpack_rows(qweight[:, start : start + _CHUNK])  # [K, n]
+        n = q.shape[1]
+        blocks = q.reshape(-1, 8, WORDS_PER_BLOCK, n)  # [B, j, w, n]: input 128 b + 16 j + w
+        parts.append(_pack_last(blocks.permute(3, 0, 2, 1)).reshape(n, num_words))  # [n, B, w] words
+    return torch.cat(parts).contiguous()
+
+
+def unpack_rows_layout(rows: torch.Tensor) -> torch.Tensor:
+    """Rows qweight [N, K/8] -> [K, N] values 0..15 (what `unpack_rows` gives for GPTQ's)."""
+    out_features, num_words = rows.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=rows.device)
+    nibbles = (rows.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]: (n, 16 b + w, j)
+    q = nibbles.reshape(out_features, -1, WORDS_PER_BLOCK, 8).permute(1, 3, 2, 0)  # [B, j, w, N]
+    return q.reshape(num_words * 8, out_features)  # input 128 b + 16 j + w
+
+
+def rows_to_gptq(rows: torch.Tensor) -> torch.Tensor:
+    """Rows qweight [N, K/8] -> GPTQ qweight [K/8, N]."""
+    out_features, num_words = rows.shape
+    q = unpack_rows_layout(rows).reshape(num_words, 8, out_features)  # [K/8, i, N]: input 8 r + i
+    return _pack_last(q.permute(0, 2, 1)).contiguous()

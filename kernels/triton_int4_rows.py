@@ -1,0 +1,303 @@
+"""INT4 matmuls on the rows layout (kernels/int4_rows.py: each output's nibbles contiguous
+along K, GPTQ's zeros and scales), for groups of consecutive inputs.
+
+- One row of x (batch-1 decode): `gemv_rows`. A program owns BLOCK_N outputs and walks K
+  in UNROLL blocks of 128 inputs, reading each row's 64 * UNROLL bytes with 16-byte loads,
+  NUM_STAGES steps in flight (cp.async into shared memory; the best configs streamed
+  0.9-1.4 TB/s before it and the 16-byte loads, 1.0-1.8 TB/s after, docs/benchmarks.md).
+  Nibble j of a block's 16 words is 16 consecutive inputs, so x arrives as contiguous
+  vectors, shared by the rows a thread holds. Per 4-bit weight: one and-or, which makes
+  the fp32 2^23 + q * 2^p of the nibble at bit p, one fma that turns it into q exactly
+  ((2^23 + q 2^p) * 2^-p - 2^(23-p)), and the fma with x. Zeros and scales are applied
+  per group to the partial sums: y_n = sum_g s_gn * (sum_k q_kn x_k - z_gn * sum_k x_k).
+  K may be split over SPLIT_K programs; their fp32 partials meet as in
+  kernels/triton_int4_gemv.py (workspace + per-block semaphore, the last one writes y).
+- 2..DEQUANT_MIN_ROWS rows: `int4_gemm_rows` multiplies, per nibble j of a block, the
+  dequantized [BLOCK_N, 16] weight (rounded to x's dtype, as kernels/triton_int4_gemm.py's
+  tiles do) by x^T [16, BLOCK_M] with tl.dot (wgmma: the weight is the tall operand); for
+  prefill it dequantizes the whole weight for cuBLAS.
+The wrappers read only shapes, never values: graph-capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4_rows import ROW_BLOCK
+from kernels.triton_int4_gemv import _semaphores
+
+# Rows of x above which the weight is dequantized for cuBLAS instead of tl.dot tiles.
+DEQUANT_MIN_ROWS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class RowsGemvConfig:
+    block_n: int  # outputs per program
+    unroll: int  # blocks of 128 inputs per loop step; divides K / 128
+    split_k: int
+    num_warps: int = 2
+    num_stages: int = 3  # weight tiles in flight per program (cp.async into shared memory)
+
+
+@triton.jit
+def _nibble_value(packed, high, exponent, J: tl.constexpr):
+    """Nibble J of each word as exact fp32 q (0..15). exponent: 0x4B000000, a kernel argument
+    so that it sits in a register and the and-or is one LOP3 (one immediate operand).
+    Nibbles 0..4 are read at bit 4J of the word, 5..7 at bit 4J - 12 of `high` (word >> 12)."""
+    pos: tl.constexpr = 4 * J if J < 5 else 4 * J - 12
+    bits = ((packed if J < 5 else high) & (0xF << pos)) | exponent
+    # bits read as fp32: 2^23 + q 2^pos, exact; scaled by 2^-pos, minus 2^(23-pos): q.
+    return bits.to(tl.float32, bitcast=True) * (1.0 / (1 << pos)) - (1 << (23 - pos))
+
+
+@triton.jit
+def _rows_gemv_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
+    N, K, stride_qn, group_size, split_k, exponent,
+    ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Program (0, N block, split). GROUP_J: nibble runs of 16 inputs per group, at most 8.
+    stride_qn (K / 8) is its own argument so that Triton sees it divisible by 16 (16-byte loads)."""
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows_n = tl.where(mask_n, offs_n, 0)  # rows past N read row 0; their sums are not stored
+    offs_u = tl.arange(0, UNROLL)
+    offs_w = tl.arange(0, 16)
+    words = qweight_ptr + rows_n[:, None, None] * stride_qn + offs_u[None, :, None] * 16 + offs_w[None, None, :]
+    x_offs = offs_u[:, None] * 128 + offs_w[None, :]  # [U, 16]: input of nibble 0 in the step
+    zero_shift = ((rows_n % 8) * 4)[:, None]
+    num_steps = K // (128 * UNROLL)
+    per_split = tl.cdiv(num_steps, split_k)
+    first = tl.program_id(2) * per_split
+    last = tl.minimum(first + per_split, num_steps)
+    acc = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
+    for step in tl.range(first, last, num_stages=NUM_STAGES):
+        k0 = step * 128 * UNROLL
+        packed = tl.load(words + step * 16 * UNROLL)  # [BN, U, 16]
+        high = packed >> 12  # nibbles 5..7 at bits 8..19
+        part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
+        x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
+        for j in tl.static_range(8):
+            x = tl.load(x_ptr + k0 + 16 * j + x_offs).to(tl.float32)  # [U, 16]
+            part += _nibble_value(packed, high, exponent, j) * x[None, :, :]
+            x_sum += x
+            if (j + 1) % GROUP_J == 0:
+                group = (k0 + offs_u * 128 + 16 * j) // group_size  # [U]
+                scale = tl.load(scales_ptr + group[None, :] * N + rows_n[:, None]).to(tl.float32)  # [BN, U]
+                packed_zero = tl.load(qzeros_ptr + group[None, :] * (N // 8) + rows_n[:, None] // 8)
+                zero = (((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)  # [BN, U]
+                acc += scale[:, :, None] * (part - zero[:, :, None] * x_sum[None, :, :])
+                part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
+                x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
+    partial = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    _reduce_splits(partial, offs_n, N, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _reduce_splits(partial, offs_n, N, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr):
+    """The last of a block's split_k programs to arrive writes y = sum of partials + bias."""
+    mask_n = offs_n < N
+    if split_k == 1:
+        total = partial
+        is_last = mask_n
+    else:
+        tl.store(ws_ptr + tl.program_id(2) * N + offs_n, partial, mask=mask_n)
+        tl.debug_barrier()  # every thread's partial is written before the semaphore counts it
+        lock = lock_ptr + tl.program_id(1)
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel")
+        is_last = arrived == split_k - 1
+        total = tl.zeros_like(partial)
+        for split in range(split_k):
+            total += tl.load(ws_ptr + split * N + offs_n, mask=mask_n & is_last, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock, 0, mask=is_last, sem="relaxed")
+        is_last = mask_n & is_last
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=is_last)
+
+
+def pick_rows_config(
+    n: int, k: int, num_sms: int, block_n: int | None = None, unroll: int | None = None, num_warps: int = 2,
+    programs_per_sm: int = 4, num_stages: int = 3,
+) -> RowsGemvConfig:  # fmt: skip
+    """Split K until about `programs_per_sm` programs per SM. The defaults are the best of
+    benchmarks/bench_int4_gemv.py's sweep on the H200 for llama-3.1-8b (docs/benchmarks.md):
+    128 outputs per program above N = 4096, else 64; two blocks per step for K >= 8192."""
+    block_n = block_n or (128 if n > 4096 else 64)
+    unroll = unroll or (2 if k >= 8192 else 1)
+    num_blocks = k // ROW_BLOCK
+    while num_blocks % unroll:
+        unroll //= 2
+    num_programs = triton.cdiv(n, block_n)
+    split_k = max(1, min(num_blocks // unroll, (programs_per_sm * num_sms) // num_programs))
+    return RowsGemvConfig(block_n, unroll, split_k, num_warps, num_stages)
+
+
+def gemv_rows(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    zero_offset: int,
+    config: RowsGemvConfig,
+) -> torch.Tensor:
+    """x [1, K] @ a rows-layout INT4 weight (qweight [N, K/8]) (+ bias) -> [1, N] in x's dtype;
+    group_size: inputs per group (K for one group)."""
+    x = x.contiguous()
+    n, num_words = qweight.shape
+    k = num_words * 8
+    assert x.shape == (1, k) and k % (ROW_BLOCK * config.unroll) == 0, (x.shape, qweight.shape, config)
+    assert qweight.numel() < 2**31, "int32 offsets"
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    num_blocks_n = triton.cdiv(n, config.block_n)
+    workspace = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device)
+    _rows_gemv_kernel[(1, num_blocks_n, config.split_k)](
+        x, qweight, qzeros, scales, bias if bias is not None else scales, workspace,
+        _semaphores(x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
+        ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
+        GROUP_J=min(8, group_size // 16), NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _rows_weight_tile(
+    qweight_ptr, qzeros_ptr, scales_ptr, block, offs_n, N, stride_qn, group_size,
+    ZERO_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The fp32 weight tile [BN, 128] of input block `block`, read as the rows lie in memory
+    (16 contiguous words per output); column c = 8 w + j holds input 128 block + 16 j + w."""
+    rows_n = tl.where(offs_n < N, offs_n, 0)
+    offs_w = tl.arange(0, 16)
+    j = tl.arange(0, 8)
+    packed = tl.load(qweight_ptr + rows_n[:, None] * stride_qn + block * 16 + offs_w[None, :])  # [BN, 16]
+    q = (packed[:, :, None] >> (4 * j)[None, None, :]) & 0xF  # [BN, 16, 8]
+    group = (block * 128 + 16 * j) // group_size  # [8]
+    scale = tl.load(scales_ptr + group[None, :] * N + rows_n[:, None]).to(tl.float32)  # [BN, 8]
+    packed_zero = tl.load(qzeros_ptr + group[None, :] * (N // 8) + rows_n[:, None] // 8)
+    zero = ((packed_zero >> ((rows_n % 8) * 4)[:, None]) & 0xF) + ZERO_OFFSET  # [BN, 8]
+    w = (q - zero[:, None, :]).to(tl.float32) * scale[:, None, :]
+    return tl.reshape(w, (BLOCK_N, 128))
+
+
+@triton.jit
+def _tile_inputs():
+    """The input (within its block) of each column of a _rows_weight_tile: 16 (c % 8) + c // 8."""
+    c = tl.arange(0, 128)
+    return (c % 8) * 16 + c // 8
+
+
+@triton.jit
+def _rows_dot_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, M, N, K, stride_qn, stride_xm, stride_om, group_size,
+    ZERO_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_J: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out^T [BN, BM] += W [BN, 16] @ x^T [16, BM] for each nibble j of a block: the weight
+    is the tall operand (the tensor cores' M side), the few rows of x the narrow one, and
+    nibble j of the block's 16 words is 16 consecutive inputs (no reshape of the tile)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    rows_n = tl.where(offs_n < N, offs_n, 0)
+    offs_w = tl.arange(0, 16)
+    zero_shift = (rows_n % 8) * 4
+    num_blocks = K // 128
+    per_split = tl.cdiv(num_blocks, SPLIT_K)
+    first = tl.program_id(2) * per_split
+    last = tl.minimum(first + per_split, num_blocks)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for block in tl.range(first, last, num_stages=3):
+        packed = tl.load(qweight_ptr + rows_n[:, None] * stride_qn + block * 16 + offs_w[None, :])  # [BN, 16]
+        first_group = (block * 128) // group_size
+        for j in tl.static_range(8):
+            if j % GROUP_J == 0:  # GROUP_J nibble runs of 16 inputs per group
+                group = first_group + j // GROUP_J
+                scale = tl.load(scales_ptr + group * N + rows_n).to(tl.float32)  # [BN]
+                zero = ((tl.load(qzeros_ptr + group * (N // 8) + rows_n // 8) >> zero_shift) & 0xF) + ZERO_OFFSET
+            q = (packed >> (4 * j)) & 0xF
+            w = (q - zero[:, None]).to(tl.float32) * scale[:, None]  # [BN, 16]
+            x_t = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + block * 128 + 16 * j + offs_w[:, None], mask=mask_m[None, :], other=0.0
+            )  # [16, BM]
+            acc += tl.dot(w.to(x_t.dtype), x_t, input_precision=DOT_PRECISION)
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = mask_m[None, :] & (offs_n < N)[:, None]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _rows_dequant_kernel(
+    qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N, stride_qn, group_size,
+    ZERO_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """out [K, N] = the weight, in out's dtype."""
+    block = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = _rows_weight_tile(
+        qweight_ptr, qzeros_ptr, scales_ptr, block, offs_n, N, stride_qn, group_size, ZERO_OFFSET, BLOCK_N
+    )  # fmt: skip
+    rows = block * 128 + _tile_inputs()
+    out = out_ptr + rows[None, :] * N + offs_n[:, None]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
+
+
+def dequantize_rows(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, zero_offset: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight [K, N] in `dtype` (a temporary for prefill's cuBLAS matmul)."""
+    n, num_words = qweight.shape
+    k = num_words * 8
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    grid = (k // ROW_BLOCK, triton.cdiv(n, 64))
+    _rows_dequant_kernel[grid](
+        qweight, qzeros, scales, out, n, qweight.stride(0), group_size, ZERO_OFFSET=zero_offset, BLOCK_N=64
+    )
+    return out
+
+
+def int4_gemm_rows(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int,
+    num_sms: int = 132,
+) -> torch.Tensor:
+    """x [M, K] @ a rows-layout INT4 weight -> [M, N] in x's dtype (semantics of
+    kernels.int4_reference.int4_gemm on rows_to_gptq(qweight)); group_size -1: one group."""
+    x = x.contiguous()
+    m, k = x.shape
+    n, num_words = qweight.shape
+    assert num_words * 8 == k and k % ROW_BLOCK == 0, (x.shape, qweight.shape)
+    group = k if group_size == -1 else group_size
+    if m == 1:
+        return gemv_rows(x, qweight, qzeros, scales, None, group, zero_offset, pick_rows_config(n, k, num_sms))
+    if m > DEQUANT_MIN_ROWS:
+        return x @ dequantize_rows(qweight, qzeros, scales, group, zero_offset, x.dtype)
+    block_m = 16 if m <= 16 else 64
+    block_n = 64
+    num_programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split_k = max(1, min(k // ROW_BLOCK // 2, (4 * num_sms) // num_programs))
+    if split_k > 1:
+        out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    else:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    _rows_dot_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)](
+        x, qweight, qzeros, scales, out, m, n, k, qweight.stride(0), x.stride(0), out.stride(0), group,
+        ZERO_OFFSET=zero_offset, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, GROUP_J=min(8, group // 16),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out.to(x.dtype)

@@ -1,0 +1,214 @@
+"""The rows INT4 layout (kernels/int4_rows.py) and its kernels (kernels/triton_int4_rows.py)
+against the GPTQ reference (kernels/int4_reference.py): the repack is exact, the batch-1
+GEMV, the tl.dot tiles and the prefill dequantize compute the reference's function, and
+Int4Linear repacks GPTQ and AWQ checkpoints (and dummy weights) into it after loading.
+
+Without a GPU: the Triton interpreter, tiny shapes (K of 2-4 blocks of 128), fp32 and fp16.
+With one: Llama-8B shapes in bf16 through the dispatch, and a CUDA graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from engine.quantization.int4_linear import Int4Linear, Int4Spec
+from engine.quantization.int4_pack import act_order_g_idx, pack_awq, pack_gptq, quantize_rtn
+from kernels import int4_reference, triton_int4_gemv
+from kernels.int4_rows import gptq_to_rows, rows_layout_fits, rows_to_gptq
+from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows, int4_gemm_rows, pick_rows_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# The GEMV multiplies exact fp32 weights with fp32 sums (x's dtype rounds the result once);
+# the tl.dot tiles round the weight to x's dtype first, as kernels/triton_int4_gemm.py does.
+GEMV_TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 3e-2}
+DOT_TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def gptq_tensors(k: int, n: int, group_size: int, zero_offset: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + k + n)) * 0.05
+    q = quantize_rtn(weight, group_size, sym=False, min_zero=zero_offset)
+    return {name: t.to(DEVICE) for name, t in pack_gptq(q, zero_offset).items()}
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def reference(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int, zero_offset: int) -> torch.Tensor:
+    return int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, group_size, "gptq", zero_offset)
+
+
+# --- The layout
+
+
+def test_repack_is_exact_and_places_each_input() -> None:
+    k, n = 256, 24
+    qweight = torch.randint(-(2**31), 2**31, (k // 8, n), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    rows = gptq_to_rows(qweight)
+    assert rows.shape == (n, k // 8) and rows.dtype == torch.int32
+    assert torch.equal(rows_to_gptq(rows), qweight)
+    q = int4_reference.unpack_rows(qweight)  # [K, N]
+    for out, block, j, w in [(0, 0, 0, 0), (5, 0, 7, 15), (23, 1, 3, 9), (11, 1, 0, 4)]:
+        word = int(rows[out, 16 * block + w])
+        assert (word >> (4 * j)) & 0xF == int(q[128 * block + 16 * j + w, out])
+
+
+def test_rows_layout_fits() -> None:
+    assert rows_layout_fits(4096, 128) and rows_layout_fits(14336, 128) and rows_layout_fits(256, -1)
+    assert rows_layout_fits(256, 16) and rows_layout_fits(512, 256)
+    assert not rows_layout_fits(96, 32)  # not whole blocks of 128
+    assert not rows_layout_fits(384, 48)  # a run of 16 inputs would straddle two groups
+    assert not rows_layout_fits(256, 8)
+
+
+# --- The kernels (Triton; the interpreter on CPU)
+
+GEMV_CONFIGS = [
+    RowsGemvConfig(16, 1, 1, num_warps=2),
+    RowsGemvConfig(32, 1, 3, num_warps=1, num_stages=2),
+    RowsGemvConfig(16, 2, 2, num_warps=1, num_stages=1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["split1", "split3", "unroll2"])
+@pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (-1, 1)], ids=["g32", "g128", "one"])
+def test_gemv_rows(dtype: torch.dtype, config: RowsGemvConfig, group_size: int, zero_offset: int) -> None:
+    # N = 40: a ragged last block of outputs; K = 512: 4 blocks, split 3 ways unevenly.
+    k, n = 512, 40
+    t = gptq_tensors(k, n, group_size, zero_offset)
+    x = randn(1, k, dtype=dtype, seed=2)
+    bias = randn(n, dtype=dtype, seed=3)
+    group = k if group_size == -1 else group_size
+    actual = gemv_rows(x, gptq_to_rows(t["qweight"]), t["qzeros"], t["scales"], bias, group, zero_offset, config)
+    expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(dtype)
+    assert actual.dtype == dtype and actual.shape == (1, n)
+    tol = GEMV_TOLERANCES[dtype]
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def test_gemv_rows_groups_of_16_and_64() -> None:
+    for group_size in (16, 64):
+        t = gptq_tensors(256, 16, group_size, 1)
+        x = randn(1, 256, seed=4)
+        actual = gemv_rows(x, gptq_to_rows(t["qweight"]), t["qzeros"], t["scales"], None, group_size, 1, GEMV_CONFIGS[1])
+        torch.testing.assert_close(actual, reference(x, t, group_size, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_semaphores_are_zero_after_a_launch_and_a_rerun_agrees() -> None:
+    t = gptq_tensors(512, 32, 128, 1)
+    rows = gptq_to_rows(t["qweight"])
+    x = randn(1, 512, seed=5)
+    args = (x, rows, t["qzeros"], t["scales"], None, 128, 1, RowsGemvConfig(16, 1, 4))
+    first = gemv_rows(*args)
+    assert int(triton_int4_gemv._SEMAPHORES[x.device].count_nonzero()) == 0
+    assert torch.equal(gemv_rows(*args), first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 20, 130], ids=["gemv", "dot16", "dot64", "dequant"])
+def test_int4_gemm_rows_every_path(dtype: torch.dtype, m: int) -> None:
+    for group_size, zero_offset in ((64, 1), (128, 0)):
+        t = gptq_tensors(256, 24, group_size, zero_offset, seed=m)
+        x = randn(m, 256, dtype=dtype, seed=m)
+        actual = int4_gemm_rows(x, gptq_to_rows(t["qweight"]), t["qzeros"], t["scales"], group_size, zero_offset, num_sms=4)
+        tol = DOT_TOLERANCES[dtype]
+        torch.testing.assert_close(actual, reference(x, t, group_size, zero_offset), atol=tol, rtol=tol)
+
+
+def test_pick_rows_config_splits_k_to_fill_the_gpu() -> None:
+    small = pick_rows_config(4096, 4096, num_sms=132)
+    assert small.split_k > 1 and 4096 // 128 % small.unroll == 0
+    assert pick_rows_config(28672, 4096, num_sms=132).split_k < small.split_k
+    assert pick_rows_config(64, 128, num_sms=132).split_k == 1  # one block: nothing to split
+
+
+# --- The dispatch and the layer (torch on CPU)
+
+
+def test_dispatch_on_cpu_is_the_reference() -> None:
+    t = {name: v.cpu() for name, v in gptq_tensors(256, 16, 128, 1).items()}
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    actual = kernels.int4_gemm(x, gptq_to_rows(t["qweight"]), t["qzeros"], t["scales"], None, 128, "rows", 1)
+    assert torch.equal(actual, int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1))
+
+
+def loaded_layer(spec: Int4Spec, in_features: int, sizes: list[int], act_order: bool = False) -> tuple[Int4Linear, torch.Tensor]:
+    """A fused layer loaded part by part, and the reference output of its parts for one x."""
+    layer = Int4Linear(spec, in_features, sizes, bias=True, dtype=torch.float32, device=torch.device("cpu"))
+    x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(7))
+    expected = []
+    for part, size in enumerate(sizes):
+        gen = torch.Generator().manual_seed(10 + part)
+        g_idx = act_order_g_idx(in_features, spec.group_size, torch.randperm(in_features, generator=gen)) if act_order else None
+        weights = quantize_rtn(torch.randn(size, in_features, generator=gen), spec.group_size, sym=False, g_idx=g_idx, min_zero=1)
+        tensors = pack_gptq(weights, spec.zero_offset) if spec.method == "gptq" else pack_awq(weights)
+        tensors["bias"] = torch.full((size,), float(part))
+        for name, tensor in tensors.items():
+            layer.load_shard(name, tensor, part)
+        args = (tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"), spec.group_size)
+        expected.append(int4_reference.int4_gemm(x, *args, spec.method, spec.zero_offset) + part)
+    layer.finish_loading()
+    torch.testing.assert_close(layer(x), torch.cat(expected, dim=1), rtol=0, atol=1e-5)
+    return layer, x
+
+
+@pytest.mark.parametrize("spec", [Int4Spec("gptq", 64, 1), Int4Spec("gptq", -1, 0), Int4Spec("awq", 128, 0)])
+def test_loaded_layers_are_repacked_as_rows(spec: Int4Spec) -> None:
+    layer, _ = loaded_layer(spec, 256, [16, 8, 8])
+    assert layer.layout == "rows" and tuple(layer.qweight.shape) == (32, 32)
+    with pytest.raises(AssertionError, match="repacked"):
+        layer.load_shard("scales", torch.zeros(4, 16, dtype=torch.float16), 0)
+
+
+def test_act_order_and_odd_shapes_keep_gptq() -> None:
+    layer, _ = loaded_layer(Int4Spec("gptq", 64, 1), 256, [16], act_order=True)
+    assert layer.act_order and layer.layout == "gptq"
+    layer, _ = loaded_layer(Int4Spec("gptq", 32, 1), 96, [16])
+    assert layer.layout == "gptq"
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_dummy_weights_are_repacked_as_rows(method: str) -> None:
+    spec = Int4Spec(method, 128, 1 if method == "gptq" else 0)
+    layer = Int4Linear(spec, 256, [24], bias=False, dtype=torch.float32, device=torch.device("cpu"))
+    layer.init_dummy(torch.Generator().manual_seed(8))
+    assert layer.layout == "rows"
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(9))
+    gptq = rows_to_gptq(layer.qweight)
+    expected = int4_reference.int4_gemm(x, gptq, layer.qzeros, layer.scales, None, 128, "gptq", spec.zero_offset)
+    assert torch.equal(layer(x), expected)
+
+
+# --- On a GPU: Llama-3.1-8B shapes in bf16
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 4, 16, 200])
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 28672), (14336, 4096)])
+def test_cuda_llama_8b_shapes(m: int, k: int, n: int) -> None:
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(m, k, dtype=torch.bfloat16, seed=m)
+    actual = kernels.int4_gemm(x, gptq_to_rows(t["qweight"]), t["qzeros"], t["scales"], None, 128, "rows", 1)
+    tol = GEMV_TOLERANCES[torch.bfloat16] if m == 1 else DOT_TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(actual, reference(x, t, 128, 1), atol=tol, rtol=tol)
+
+
+@cuda_only
+def test_cuda_graph_replays_the_rows_gemv() -> None:
+    t = gptq_tensors(4096, 4096, 128, 1)
+    rows = gptq_to_rows(t["qweight"])
+    x = randn(1, 4096, dtype=torch.bfloat16, seed=9)
+    args = (rows, t["qzeros"], t["scales"], None, 128, "rows", 1)
+    expected = kernels.int4_gemm(x, *args)  # also compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernels.int4_gemm(x, *args)
+    for seed in (10, 11):
+        x.copy_(randn(1, 4096, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.testing.assert_close(y, kernels.int4_gemm(x, *args), atol=0, rtol=0)
+    assert torch.equal(kernels.int4_gemm(x.copy_(randn(1, 4096, dtype=torch.bfloat16, seed=9)), *args), expected)
