@@ -24,17 +24,14 @@ releases both legs exactly once.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from functools import partial
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
-from engine.block_hash import hash_block_tokens
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.lora import lora_extra_key
 from engine.tokenizer import apply_chat_template
@@ -43,25 +40,18 @@ from metrics import RouterMetrics
 from proto import cluster_pb2 as pb
 from proto import cluster_pb2_grpc as pb_grpc
 from proto.convert import sampling_params_from_proto
-from proto.rpc import abort as _abort
-from proto.rpc import scrub
-from router.admission import AdmissionQueue
+from router.calls import abort, end_aborted
 from router.config import RouterConfig
 from router.handoff import Handoff, HandoffState
 from router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
 from router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
-from router.policy import rank, should_skip_prefill
+from router.placement import Placement
+from router.policy import should_skip_prefill
 from router.registry import Instance, Registry
 
 logger = logging.getLogger(__name__)
 
 
-def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    """End a client's call; worker details reach the client without internal endpoints."""
-    _abort(context, code, scrub(message))
-
-
-_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 # A decode stream that breaks with these is replayed on another instance (max_migrations):
 # the instance died or restarted (UNAVAILABLE), its engine step failed (ABORTED), or the
 # reservation was gone when Decode came (NOT_FOUND: its lease ran out under load).
@@ -84,9 +74,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
     ) -> None:
         self._config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(model_name, max_model_len)
-        self._block_size = block_size
-        self._prefix_index = prefix_index
-        self._rng = random.Random()
+        self._placement = Placement(config, registry, block_size, prefix_index)
         self._registry = registry
         self.loras = LoRAAdapters(registry)
         self._tokenizer = tokenizer
@@ -94,8 +82,6 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._max_model_len = max_model_len
         self._active: dict[str, Handoff] = {}
         self._lock = threading.Lock()
-        self._admission = AdmissionQueue(config.max_queued_requests)
-        self._turn = 0
 
     # ---- client API
 
@@ -195,8 +181,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self, handoff: Handoff, request: pb.WorkerRequest, context: grpc.ServicerContext, arrival: float,
         progress: Progress, timings: pb.Timings,
     ) -> Iterator[pb.GenerateResponse]:
-        overlap = self._overlap(request)
-        decode, reservation = self._reserve(handoff, request, overlap, context)
+        overlap = self._placement.overlap(request)
+        decode, reservation = self._placement.reserve(handoff, request, overlap, context)
         if not progress.migrations:
             timings.decode_cached_tokens = reservation.num_cached_tokens
         try:
@@ -205,7 +191,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     timings.router_s = time.monotonic() - arrival
                 first_token = self._prefill(handoff, request, reservation, overlap, timings, context)
                 if not handoff.advance(HandoffState.DECODING):
-                    _end_aborted(context, handoff)
+                    end_aborted(context, handoff)
                 call = decode.stub.Decode(
                     pb.DecodeRequest(
                         request_id=request.request_id,
@@ -218,7 +204,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             yield from self._relay(handoff, decode, call, timings, arrival, context, progress)
         finally:
             self._registry.release(decode)
-            self._admission.room_freed()  # queued requests try again
+            self._placement.room_freed()  # queued requests try again
 
     def _finish_without_decode(
         self, request: pb.WorkerRequest, progress: Progress, timings: pb.Timings, arrival: float
@@ -230,86 +216,6 @@ class RouterServicer(pb_grpc.GenerationServicer):
             usage=pb.Usage(prompt_tokens=len(progress.prompt), completion_tokens=len(progress.token_ids)),
             timings=timings,
         )
-
-    def _overlap(self, request: pb.WorkerRequest) -> dict[str, int]:
-        """Prefix-index id -> leading blocks of this prompt held ({} without an index)."""
-        if self._prefix_index is None or self._config.policy != "prefix_aware":
-            return {}
-        hashes = hash_block_tokens(list(request.prompt_token_ids), self._block_size, tuple(request.extra_keys))
-        return self._prefix_index.overlap([bytes(h) for h in hashes]) if hashes else {}
-
-    def _rank(self, role: str, request: pb.WorkerRequest, overlap: dict[str, int]) -> list[str]:
-        num_blocks = len(request.prompt_token_ids) // self._block_size
-        loads = self._registry.loads(role, overlap, request.lora_name or None)
-        with self._lock:
-            self._turn += 1
-            turn = self._turn
-        return rank(self._config.policy, loads, turn, self._rng, num_blocks, self._config.prefix_weights)
-
-    def _reserve(
-        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
-    ) -> tuple[Instance, pb.Reservation]:
-        """Reserve on the best decode instance that has room. When every healthy one is full,
-        wait for room in a bounded queue (admission control): beyond `max_queued_requests`,
-        or after `queue_timeout_s`, the request is shed with RESOURCE_EXHAUSTED at once,
-        so the requests already admitted keep their latency."""
-        deadline = time.monotonic() + self._config.queue_timeout_s
-        queued = False
-        try:
-            while True:
-                found, full, down = self._try_reserve(handoff, request, overlap, context)
-                if found is not None:
-                    return found
-                if not full:  # UNAVAILABLE (HTTP 503): nothing up; RESOURCE_EXHAUSTED (429): all full
-                    abort(context, grpc.StatusCode.UNAVAILABLE,
-                          f"no healthy decode instance ({'; '.join(down) or 'none registered'}); retry later")
-                if not queued:
-                    queued = self._admission.enter()
-                    if not queued:
-                        abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"every decode instance is full and {self._admission.num_queued} requests are queued; "
-                              "retry later")
-                if time.monotonic() >= deadline:
-                    abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"no decode instance had room within {self._config.queue_timeout_s:g}s ({'; '.join(full)}); retry later")
-                if handoff.state == HandoffState.ABORTED:
-                    _end_aborted(context, handoff)
-                self._admission.wait_for_room(deadline - time.monotonic())
-        finally:
-            if queued:
-                self._admission.leave()
-
-    def _try_reserve(
-        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
-    ) -> tuple[tuple[Instance, pb.Reservation] | None, list[str], list[str]]:
-        """One pass over the ranked decode instances: (instance, reservation) or None, with
-        why each failed: full (RESOURCE_EXHAUSTED) or down (UNAVAILABLE)."""
-        full: list[str] = []
-        down: list[str] = []
-        for name in self._rank("decode", request, overlap):
-            instance = self._registry.acquire(name)
-            try:
-                reservation = instance.stub.Reserve(
-                    pb.ReserveRequest(request=request, lease_s=self._config.lease_s), timeout=10.0
-                )
-            except grpc.RpcError as e:
-                self._registry.release(instance)
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    abort(context, e.code(), e.details())
-                if e.code() not in _RETRYABLE:
-                    abort(context, e.code(), f"{name}: {e.details()}")
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._registry.mark_unhealthy(instance)
-                    down.append(f"{name}: {e.details()}")
-                else:
-                    full.append(f"{name}: {e.details()}")
-                continue
-            handoff.on_abort(partial(instance.stub.Release, pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
-            if not handoff.advance(HandoffState.RESERVED):
-                self._registry.release(instance)
-                _end_aborted(context, handoff)
-            return (instance, reservation), full, down
-        return None, full, down
 
     def _prefill(
         self,
@@ -325,13 +231,13 @@ class RouterServicer(pb_grpc.GenerationServicer):
         if should_skip_prefill(num_prompt, reservation.num_cached_tokens, self._config.min_prefill_tokens):
             timings.prefill_skipped = True
             return None
-        names = self._rank("prefill", request, overlap)
+        names = self._placement.rank("prefill", request, overlap)
         if not names:
             return self._prefill_failed(handoff, timings, context, "no healthy prefill instance")
         instance = self._registry.acquire(names[0])
         try:
             if not handoff.advance(HandoffState.PREFILLING):
-                _end_aborted(context, handoff)
+                end_aborted(context, handoff)
             future = instance.stub.Prefill.future(
                 pb.PrefillRequest(request=request, reservation=reservation), timeout=self._config.prefill_timeout_s
             )
@@ -340,7 +246,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             try:
                 reply = future.result()
             except grpc.FutureCancelledError:
-                _end_aborted(context, handoff)
+                end_aborted(context, handoff)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     handoff.abort(e.details() or "invalid request")
@@ -358,7 +264,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         if reply.transfer_status not in (pb.TRANSFER_DONE, pb.TRANSFER_SKIPPED):
             return self._prefill_failed(handoff, timings, context, f"{instance.name}: KV transfer failed: {reply.transfer_error}")
         if not handoff.advance(HandoffState.TRANSFERRED):
-            _end_aborted(context, handoff)
+            end_aborted(context, handoff)
         return reply.first_token
 
     def _prefill_failed(
@@ -406,7 +312,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 yield response
         except grpc.RpcError as e:
             if handoff.state == HandoffState.ABORTED:
-                _end_aborted(context, handoff)
+                end_aborted(context, handoff)
             if e.code() in _MIGRATABLE:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._registry.mark_unhealthy(decode)
@@ -461,9 +367,3 @@ def _status_name(context: grpc.ServicerContext) -> str:
 
 def _failure_policy(name: str) -> pb.FailurePolicy:
     return pb.FAILURE_POLICY_FAIL if name == "fail" else pb.FAILURE_POLICY_RECOMPUTE
-
-
-def _end_aborted(context: grpc.ServicerContext, handoff: Handoff) -> NoReturn:
-    """End the call of an aborted request: DEADLINE_EXCEEDED when its deadline_s passed."""
-    code = grpc.StatusCode.DEADLINE_EXCEEDED if handoff.deadline_passed else grpc.StatusCode.CANCELLED
-    abort(context, code, handoff.abort_reason or "aborted")

@@ -1,0 +1,128 @@
+"""Where a request's legs run: the prefix overlap of its prompt, the instances of a role
+ranked by the routing policy, and the reservation on a decode instance.
+
+`reserve` tries the ranked decode instances in turn; RESOURCE_EXHAUSTED moves on to the
+next, UNAVAILABLE marks the instance unhealthy. When every healthy one is full the request
+waits in the bounded admission queue (router/admission.py) until a request leaves a decode
+instance (`room_freed`) or `queue_timeout_s` passes; beyond `max_queued_requests` it is
+shed at once with RESOURCE_EXHAUSTED, so the requests already admitted keep their latency.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from functools import partial
+
+import grpc
+
+from engine.block_hash import hash_block_tokens
+from kv_index import PrefixIndex
+from proto import cluster_pb2 as pb
+from router.admission import AdmissionQueue
+from router.calls import abort, end_aborted
+from router.config import RouterConfig
+from router.handoff import Handoff, HandoffState
+from router.policy import rank
+from router.registry import Instance, Registry
+
+_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+class Placement:
+    def __init__(
+        self, config: RouterConfig, registry: Registry, block_size: int, prefix_index: PrefixIndex | None
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._block_size = block_size
+        self._prefix_index = prefix_index
+        self._admission = AdmissionQueue(config.max_queued_requests)
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+        self._turn = 0
+
+    def overlap(self, request: pb.WorkerRequest) -> dict[str, int]:
+        """Prefix-index id -> leading blocks of this prompt held ({} without an index)."""
+        if self._prefix_index is None or self._config.policy != "prefix_aware":
+            return {}
+        hashes = hash_block_tokens(list(request.prompt_token_ids), self._block_size, tuple(request.extra_keys))
+        return self._prefix_index.overlap([bytes(h) for h in hashes]) if hashes else {}
+
+    def rank(self, role: str, request: pb.WorkerRequest, overlap: dict[str, int]) -> list[str]:
+        """The healthy instances of `role`, best first."""
+        num_blocks = len(request.prompt_token_ids) // self._block_size
+        loads = self._registry.loads(role, overlap, request.lora_name or None)
+        with self._lock:
+            self._turn += 1
+            turn = self._turn
+        return rank(self._config.policy, loads, turn, self._rng, num_blocks, self._config.prefix_weights)
+
+    def room_freed(self) -> None:
+        """A request left a decode instance: queued requests try again."""
+        self._admission.room_freed()
+
+    def reserve(
+        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
+    ) -> tuple[Instance, pb.Reservation]:
+        """Reserve on the best decode instance that has room, waiting in the admission queue
+        while every healthy one is full; aborts the call when none can take the request.
+        The caller releases the instance (`Registry.release`) when the request leaves it."""
+        deadline = time.monotonic() + self._config.queue_timeout_s
+        queued = False
+        try:
+            while True:
+                found, full, down = self._try_reserve(handoff, request, overlap, context)
+                if found is not None:
+                    return found
+                if not full:  # UNAVAILABLE (HTTP 503): nothing up; RESOURCE_EXHAUSTED (429): all full
+                    abort(context, grpc.StatusCode.UNAVAILABLE,
+                          f"no healthy decode instance ({'; '.join(down) or 'none registered'}); retry later")
+                if not queued:
+                    queued = self._admission.enter()
+                    if not queued:
+                        abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"every decode instance is full and {self._admission.num_queued} requests are queued; "
+                              "retry later")
+                if time.monotonic() >= deadline:
+                    abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"no decode instance had room within {self._config.queue_timeout_s:g}s ({'; '.join(full)}); retry later")
+                if handoff.state == HandoffState.ABORTED:
+                    end_aborted(context, handoff)
+                self._admission.wait_for_room(deadline - time.monotonic())
+        finally:
+            if queued:
+                self._admission.leave()
+
+    def _try_reserve(
+        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
+    ) -> tuple[tuple[Instance, pb.Reservation] | None, list[str], list[str]]:
+        """One pass over the ranked decode instances: (instance, reservation) or None, with
+        why each failed: full (RESOURCE_EXHAUSTED) or down (UNAVAILABLE)."""
+        full: list[str] = []
+        down: list[str] = []
+        for name in self.rank("decode", request, overlap):
+            instance = self._registry.acquire(name)
+            try:
+                reservation = instance.stub.Reserve(
+                    pb.ReserveRequest(request=request, lease_s=self._config.lease_s), timeout=10.0
+                )
+            except grpc.RpcError as e:
+                self._registry.release(instance)
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    abort(context, e.code(), e.details())
+                if e.code() not in _RETRYABLE:
+                    abort(context, e.code(), f"{name}: {e.details()}")
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._registry.mark_unhealthy(instance)
+                    down.append(f"{name}: {e.details()}")
+                else:
+                    full.append(f"{name}: {e.details()}")
+                continue
+            handoff.on_abort(partial(instance.stub.Release, pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
+            if not handoff.advance(HandoffState.RESERVED):
+                self._registry.release(instance)
+                end_aborted(context, handoff)
+            return (instance, reservation), full, down
+        return None, full, down
