@@ -21,6 +21,7 @@ from engine.tokenizer import apply_chat_template
 from proto import cluster_pb2 as pb
 from proto.rpc import scrub
 from router.openai.backend import Piece, RouterBackend
+from router.openai.logprobs import chat_logprobs, completion_logprobs
 from router.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -30,7 +31,6 @@ from router.openai.protocol import (
     bad_request,
 )
 
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
 _MAX_SEQUENCES = 256  # Generate calls one HTTP request may fan out to (prompts x n)
 
 
@@ -106,7 +106,7 @@ class OpenAIServing:
             "id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
             "choices": [
                 {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                 "logprobs": self._completion_logprobs(c.logprobs, 0) if with_logprobs else None}
+                 "logprobs": completion_logprobs(self.tokenizer, c.logprobs, 0) if with_logprobs else None}
                 for c in job.choices
             ],
             "usage": self._usage(job),
@@ -120,7 +120,7 @@ class OpenAIServing:
                 choice: dict[str, Any] = {"index": piece.index, "text": r.text, "finish_reason": r.finish_reason or None,
                                           "stop_reason": r.stop_reason or None, "logprobs": None}
                 if body.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(list(r.logprobs), offsets[piece.index])
+                    choice["logprobs"] = completion_logprobs(self.tokenizer, list(r.logprobs), offsets[piece.index])
                     offsets[piece.index] += len(r.text)
                 yield sse(self._chunk(job, "text_completion", choice, body.include_usage))
         if body.include_usage:
@@ -141,7 +141,7 @@ class OpenAIServing:
             "choices": [
                 {"index": c.index, "message": {"role": "assistant", "content": c.text},
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                 "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None}
+                 "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if body.logprobs else None}
                 for c in job.choices
             ],
             "usage": self._usage(job),
@@ -157,7 +157,7 @@ class OpenAIServing:
                     started[piece.index] = True
                     delta["role"] = "assistant"
                 choice = {"index": piece.index, "delta": delta, "finish_reason": r.finish_reason or None,
-                          "logprobs": self._chat_logprobs(list(r.logprobs)) if body.logprobs else None}
+                          "logprobs": chat_logprobs(self.tokenizer, list(r.logprobs)) if body.logprobs else None}
                 if r.finish_reason:
                     choice["stop_reason"] = r.stop_reason or None
                 yield sse(self._chunk(job, "chat.completion.chunk", choice, body.include_usage))
@@ -340,33 +340,6 @@ class OpenAIServing:
         cached = sum(u.cached_tokens for u in firsts if u is not None)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def _token_text(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id])) if self.tokenizer is not None else f"token_id:{token_id}"
-
-    def _chat_logprobs(self, logprobs: list[pb.TokenLogprob]) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(text.encode())}
-
-        return {"content": [
-            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
-            for lp in logprobs
-        ]}
-
-    def _completion_logprobs(self, logprobs: list[pb.TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens, offsets = [], []
-        for lp in logprobs:
-            text = self._token_text(lp.token_id)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [max(lp.logprob, _MIN_LOGPROB) for lp in logprobs],
-            "top_logprobs": [{self._token_text(t.token_id): max(t.logprob, _MIN_LOGPROB) for t in lp.top} for lp in logprobs],
-            "text_offset": offsets,
-        }
 
 
 # Each layer closes the one below it when it is closed (client gone), down to the backend,
