@@ -112,7 +112,9 @@ def rotary_write_kv_cache(
     rotated (q, k). On CUDA one launch, which rotates q and k in place: their storage (the
     qkv projection's output) is overwritten, so callers use only the returned tensors."""
     if not q.is_cuda:
-        return torch_ops.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale)
+        q, k = rotary_embedding(q, k, cos, sin)
+        write_kv_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+        return q, k
     from kernels import triton_rotary_kv
 
     return triton_rotary_kv.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference, torch_ops, triton_ops
+from kernels import reference, triton_ops
 from kernels.fp8_kv import FP8_KV_DTYPE
 from kernels.triton_rotary_kv import rotary_write_kv_cache
 from tests.kernels.test_triton_ops import (
@@ -84,7 +84,7 @@ def test_torch_path_is_the_definition() -> None:
     cos, sin = (x.cpu() for x in llama3_tables(torch.arange(5, device=DEVICE), 16, 64))
     slot_mapping = torch.tensor([3, 0, 9, 12, 7])
     cache, expected_cache = torch.zeros(4, 2, 4, 2, 16), torch.zeros(4, 2, 4, 2, 16)
-    q_out, k_out = torch_ops.rotary_write_kv_cache(q, k, v, cos, sin, cache, slot_mapping)
+    q_out, k_out = kernels.rotary_write_kv_cache(q, k, v, cos, sin, cache, slot_mapping)
     expected_q, expected_k = reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slot_mapping)
     assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
     assert torch.equal(cache, expected_cache)
