@@ -1,12 +1,15 @@
 """Quantized decoding on one H200: bf16 against FP8 W8A8 and INT8 weight-only (and INT4,
 where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same run.
 
-    PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput]
+    PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput] [--pdl off,on]
 
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
 (time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs) and offline
 throughput (128 prompts of 512 random tokens, 128 generated each, all submitted at once).
 Weights are random (no checkpoints can be downloaded here); speed does not depend on them.
+`--pdl off,on` repeats the batch-1 runs with programmatic dependent launch off and on
+(kernels/pdl.py; the ratios are against the bf16 of the same setting) and checks that both
+settings give the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 import torch
 
 from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.errors import EngineError
+from kernels import pdl
 
 PRESET = "llama-3.1-8b"
 RESULTS: list[dict[str, Any]] = []
@@ -38,15 +42,18 @@ def make_llm(method: str, max_num_seqs: int, num_blocks: int, max_model_len: int
                quantization=None if method == "bf16" else method)
 
 
-def batch1_itl(method: str) -> float:
+def batch1_itl(method: str) -> tuple[float, list[int]]:
+    """(inter-token latency in s, the first 64 greedy tokens)."""
     llm = make_llm(method, max_num_seqs=8, num_blocks=1024, max_model_len=4096, batched=2048)
     p = prompts(1, 128, llm.core.vocab_size)
     ours_generate(llm, p, 8)
     n = 256
     ttft = ours_generate(llm, p, 1)
     itl = (ours_generate(llm, p, n) - ttft) / (n - 1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    tokens = list(llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids)
     _free(llm)
-    return itl
+    return itl, tokens
 
 
 def throughput(method: str, num: int = 128, in_len: int = 512, out_len: int = 128) -> float:
@@ -70,23 +77,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="bf16,fp8,int8,gptq")
     parser.add_argument("--no-throughput", action="store_true", help="batch-1 ITL only (a shorter run)")
+    parser.add_argument("--pdl", default="on", help="on, off, or off,on: programmatic dependent launch")
     args = parser.parse_args()
     copy_bw, _ = roofline()
     _, bf16_bytes = num_params(PRESET)
     record(bench="roofline_bf16_itl", model=PRESET, ms=round(bf16_bytes / copy_bw * 1e3, 3))
-    base_itl = None
-    for method in args.methods.split(","):
-        try:
-            itl = batch1_itl(method)
-        except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
-            record(bench="skipped", method=method, reason=str(e))
-            continue
-        base_itl = itl if method == "bf16" else base_itl
-        ratio = round(itl / base_itl, 3) if base_itl else None
-        record(bench="batch1_itl", model=PRESET, method=method, ms=round(itl * 1e3, 3), vs_bf16=ratio)
-        if not args.no_throughput:
-            record(bench="throughput", model=PRESET, method=method, num_prompts=128, input_len=512,
-                   output_len=128, tok_s=round(throughput(method)))
+    tokens: dict[tuple[str, str], list[int]] = {}
+    for setting in args.pdl.split(","):
+        pdl.ENABLED = setting == "on"
+        base_itl = None
+        for method in args.methods.split(","):
+            try:
+                itl, tokens[method, setting] = batch1_itl(method)
+            except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
+                record(bench="skipped", method=method, reason=str(e))
+                continue
+            base_itl = itl if method == "bf16" else base_itl
+            ratio = round(itl / base_itl, 3) if base_itl else None
+            same = {s: tokens[method, s] == tokens[method, setting] for m, s in tokens if m == method and s != setting}
+            record(bench="batch1_itl", model=PRESET, method=method, pdl=setting, ms=round(itl * 1e3, 3),
+                   vs_bf16=ratio, same_tokens_as=same)
+            if not args.no_throughput:
+                record(bench="throughput", model=PRESET, method=method, pdl=setting, num_prompts=128,
+                       input_len=512, output_len=128, tok_s=round(throughput(method)))
     print("RESULTS " + json.dumps(RESULTS))
 
 

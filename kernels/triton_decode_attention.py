@@ -7,7 +7,8 @@ Semantics are those of `kernels.reference.decode_attention`. Two launches:
      blocks (each token finds its block through the block table). It keeps an fp32 online
      softmax and writes a partial (max, sum, acc) per query head, or, when there is one
      split, the normalised output directly (and launch 2 is skipped).
-  2. `_combine_splits_kernel`, grid (B, Hq): rescales the partials to a common max and sums.
+  2. `_combine_splits_kernel`, grid (B, Hq): rescales the partials to a common max and sums;
+     on Hopper it lets the o projection's GEMV start as it does (kernels/pdl.py).
 
 Launch shapes depend only on tensor shapes and `max_seq_len` (never on the values in
 `seq_lens`), and nothing syncs with the host, so the call can be captured in a CUDA graph.
@@ -25,7 +26,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
+from kernels import pdl
 from kernels.fp8_kv import is_fp8
 
 _MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) shows
@@ -158,7 +161,10 @@ def _combine_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()  # the o projection's GEMV may start (kernels/pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -267,6 +273,7 @@ def decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            LAUNCH_DEPENDENTS=pdl.enabled(q),
             num_warps=4,
         )  # fmt: skip
     return out

@@ -26,6 +26,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from kernels import pdl
 
 GEMV_MAX_ROWS = 4
 
@@ -78,21 +81,30 @@ def _load_k(rows, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.
 
 
 @triton.jit
+def _tile_sum(bits, x_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, INT8_PTX: tl.constexpr):
+    """Row sums of x * w over one [BN, BK] weight tile (its uint8 bits) at k0 -> [BN] fp32."""
+    x = _load_k(x_row, k0, K, EVEN_K, BLOCK_K, "")  # [BN, BK], the same x in every row
+    return tl.sum(x.to(tl.float32) * w8_to_float(bits, FP8, INT8_PTX), axis=1)
+
+
+@triton.jit
 def _gemv_w8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr,
+    BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64)[:, None] * stride_wn  # [BN, 1]; past N: row 0
     x_row = x_ptr + row * stride_xm + 0 * offs_n[:, None]  # [BN, 1]: x in the weight tile's layout
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")  # [BN, BK]
-        x = _load_k(x_row, k0, K, EVEN_K, BLOCK_K, "")  # [BN, BK], the same x in every row
-        acc += tl.sum(x.to(tl.float32) * w8_to_float(bits, FP8, INT8_PTX), axis=1)
+    bits = _load_k(w_rows, 0, K, EVEN_K, BLOCK_K, "evict_first")  # [BN, BK]
+    if PDL:
+        gdc_wait()  # the first tile is in flight; x is the kernel before's output (kernels/pdl.py)
+    acc = _tile_sum(bits, x_row, 0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")
+        acc += _tile_sum(bits, x_row, k0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX)
     y = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -129,10 +141,12 @@ def gemv_w8(
     block_n = block_n or default_n
     block_k = min(block_k or default_k, triton.next_power_of_2(k))
     grid = (m, triton.cdiv(n, block_n))
+    use_pdl = pdl.enabled(x)
     _gemv_w8_kernel[grid](
         x, qweight.view(torch.uint8), scale, bias if bias is not None else scale, y,
         n, k, x.stride(0), qweight.stride(0), y.stride(0),
         FP8=qweight.dtype == torch.float8_e4m3fn, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, num_warps=num_warps,
+        launch_pdl=use_pdl,
     )  # fmt: skip
     return y

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from kernels import pdl
 from kernels.int4_rows import ROW_BLOCK
 from kernels.triton_int4_gemv import _semaphores
 
@@ -59,7 +61,7 @@ def _rows_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     N, K, stride_qn, group_size, split_k, exponent,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (0, N block, split). GROUP_J: nibble runs of 16 inputs per group, at most 8.
     stride_qn (K / 8) is its own argument so that Triton sees it divisible by 16 (16-byte loads)."""
@@ -77,6 +79,8 @@ def _rows_gemv_kernel(
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, num_steps)
     acc = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
+    if PDL:
+        gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = step * 128 * UNROLL
         packed = tl.load(words + step * 16 * UNROLL)  # [BN, U, 16]
@@ -159,11 +163,13 @@ def gemv_rows(
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     num_blocks_n = triton.cdiv(n, config.block_n)
     workspace = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device)
+    use_pdl = pdl.enabled(x)
     _rows_gemv_kernel[(1, num_blocks_n, config.split_k)](
         x, qweight, qzeros, scales, bias if bias is not None else scales, workspace,
         _semaphores(x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
-        GROUP_J=min(8, group_size // 16), NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        GROUP_J=min(8, group_size // 16), NUM_STAGES=config.num_stages, PDL=use_pdl, num_warps=config.num_warps,
+        launch_pdl=use_pdl,
     )  # fmt: skip
     return y
 

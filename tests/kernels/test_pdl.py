@@ -1,0 +1,107 @@
+"""Programmatic dependent launch (kernels/pdl.py) in the batch-1 decode chain.
+
+The GEMVs start while the kernel before them is still running and read x only after
+`gdc_wait()`. A missing or misplaced wait would read a stale x: the chain below (norm ->
+bf16 GEMV -> SiLU-and-mul -> fp8 GEMV -> decode attention -> INT4 GEMV -> ...) is replayed
+from one CUDA graph with PDL on and must equal, bit for bit, the same kernels launched
+eagerly with PDL off. Each step's input is the previous step's output, and the residual
+chain makes every stale read visible in the result. Needs compute capability 9.0 (Hopper);
+elsewhere the flag is off and the kernels ignore both instructions (the other kernel tests
+cover them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import kernels
+from engine.quantization.fp8 import quantize_fp8
+from engine.quantization.int4_pack import pack_gptq, quantize_rtn
+from kernels import pdl
+from kernels.int4_rows import gptq_to_rows
+from kernels.quant_ops import fp8_linear
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs a CUDA GPU of compute capability 9.0+",
+)
+
+D, INTER, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 1024, 2816, 8, 2, 128, 16
+
+
+def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int, std: float = 0.03) -> torch.Tensor:
+        return (std * torch.randn(*shape, generator=g, device="cuda")).to(torch.bfloat16)
+
+    norm_w = [1.0 + randn(D, std=0.1) for _ in range(2 * num_layers)]
+    gate_up = [randn(2 * INTER, D) for _ in range(num_layers)]
+    down = [quantize_fp8(randn(D, INTER).float()) for _ in range(num_layers)]
+    q_proj = [randn(HEADS * HEAD_DIM, D) for _ in range(num_layers)]
+    o_int4 = []
+    for _ in range(num_layers):
+        packed = pack_gptq(quantize_rtn(randn(D, HEADS * HEAD_DIM).float().cpu(), 128, sym=False, min_zero=0), 0)
+        o_int4.append((gptq_to_rows(packed["qweight"]).cuda(), packed["qzeros"].cuda(), packed["scales"].cuda()))
+    num_blocks, seq_len = 64, 300
+    kv_cache = randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, std=1.0)
+    meta = kernels.AttentionMetadata(
+        slot_mapping=torch.tensor([seq_len - 1], device="cuda"),
+        block_tables=torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)[None, :],
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        max_query_len=1,
+        max_seq_len=4096,
+    )
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        residual = None
+        for i in range(num_layers):
+            h, residual = kernels.fused_add_rms_norm(x, residual, norm_w[2 * i], 1e-5)
+            act = kernels.silu_and_mul(kernels.linear(h, gate_up[i]))  # bf16 GEMV
+            x = fp8_linear(act, down[i][0], down[i][1][None, :], None)  # fp8 GEMV
+            h, residual = kernels.fused_add_rms_norm(x, residual, norm_w[2 * i + 1], 1e-5)
+            q = kernels.linear(h, q_proj[i]).view(1, HEADS, HEAD_DIM)
+            attn = kernels.paged_attention(q, q, q, kv_cache, meta, HEAD_DIM**-0.5)  # split + combine
+            qweight, qzeros, scales = o_int4[i]
+            x = kernels.int4_gemm(attn.view(1, -1), qweight, qzeros, scales, None, 128, "rows", 0)
+        return x + residual
+
+    return run
+
+
+def test_chain_replayed_with_pdl_equals_eager_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _chain()
+    x = torch.randn(1, D, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda").to(torch.bfloat16)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    expected = run(x)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.enabled(x)
+    static_x = x.clone()
+    run(static_x)  # compile the PDL variants outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        static_out = run(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(20):
+        static_x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
+        graph.replay()
+        torch.testing.assert_close(static_out, run_eager_without_pdl(run, static_x, monkeypatch), atol=0, rtol=0)
+    static_x.copy_(x)
+    graph.replay()
+    torch.testing.assert_close(static_out, expected, atol=0, rtol=0)
+
+
+def run_eager_without_pdl(
+    run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> torch.Tensor:
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    try:
+        return run(x)
+    finally:
+        monkeypatch.setattr(pdl, "ENABLED", True)
