@@ -19,6 +19,7 @@ __all__ = [
     "fused_add_rms_norm",
     "int4_gemm",
     "linear",
+    "linear_silu_mul",
     "paged_attention",
     "rotary_embedding",
     "rotary_write_kv_cache",
@@ -133,7 +134,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: `F.linear`, except one 16-bit row on CUDA
     (a batch-1 decode step), which runs the Triton GEMV (cuBLAS reads such small weights at
     60-85% of the bandwidth, the GEMV at 75-99%)."""
-    if (
+    if _takes_gemv(x, weight):
+        from kernels import triton_linear
+
+        return triton_linear.gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu_and_mul(linear(x, weight, bias))` for a [gate | up] weight [2I, K] -> [T, I]; where
+    `linear` runs the GEMV, one launch that applies SiLU-and-mul to its sums, rounded as the
+    two launches round (the fp32 sums may be added in another order)."""
+    if _takes_gemv(x, weight):
+        from kernels import triton_linear
+
+        return triton_linear.gemv(x, weight, bias, silu_mul=True)
+    return silu_and_mul(linear(x, weight, bias))
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
         x.is_cuda
         and x.dim() == 2
         and x.shape[0] == 1
@@ -141,11 +161,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.dtype == x.dtype
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
-    ):
-        from kernels import triton_linear
-
-        return triton_linear.gemv(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+    )
 
 
 def int4_gemm(

@@ -116,6 +116,25 @@ def _w8_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias
     return int8_gemm(x.contiguous(), qweight, scale, bias)
 
 
+def w8_linear_silu_mul(
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """`silu_and_mul(linear(x, qweight, scale, bias))` (linear: int8_linear or fp8_linear) for a
+    [gate | up] weight; where both run the 1-byte GEMV (rows of x up to _W8_GEMV_MAX_ROWS on
+    CUDA), one launch that applies SiLU-and-mul to its sums, rounded as the two launches round."""
+    if x.is_cuda and x.shape[0] <= _W8_GEMV_MAX_ROWS:
+        from kernels.triton_gemv import gemv_w8
+
+        return gemv_w8(x, qweight, scale, bias, silu_mul=True)
+    from kernels import silu_and_mul
+
+    return silu_and_mul(linear(x, qweight, scale, bias))
+
+
 def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32)."""
     if not x.is_cuda:

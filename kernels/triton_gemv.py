@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
+from kernels.triton_linear import store_outputs, weight_rows
 
 GEMV_MAX_ROWS = 4
 
@@ -91,24 +92,25 @@ def _tile_sum(bits, x_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, F
 def _gemv_w8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
+    """SILU_MUL: w is [gate | up] ([2N, K]); the program sums gate rows n and up rows N + n
+    and writes silu(gate) * up ([M, N])."""
     row = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    w_rows = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64)[:, None] * stride_wn  # [BN, 1]; past N: row 0
-    x_row = x_ptr + row * stride_xm + 0 * offs_n[:, None]  # [BN, 1]: x in the weight tile's layout
-    bits = _load_k(w_rows, 0, K, EVEN_K, BLOCK_K, "evict_first")  # [BN, BK]
+    w_idx, mask_w = weight_rows(tl.program_id(1), N, BLOCK_N, SILU_MUL)
+    w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * stride_wn  # [R, 1]; past N: row 0
+    x_row = x_ptr + row * stride_xm + 0 * w_idx[:, None]  # [R, 1]: x in the weight tile's layout
+    bits = _load_k(w_rows, 0, K, EVEN_K, BLOCK_K, "evict_first")  # [R, BK]
     if PDL:
         gdc_wait()  # the first tile is in flight; x is the kernel before's output (kernels/pdl.py)
     acc = _tile_sum(bits, x_row, 0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")
         acc += _tile_sum(bits, x_row, k0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX)
-    y = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc * tl.load(scale_ptr + w_idx, mask=mask_w, other=0.0)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        y += tl.load(bias_ptr + w_idx, mask=mask_w, other=0.0).to(tl.float32)
+    store_outputs(y, y_ptr + row * stride_ym, tl.program_id(1), N, BLOCK_N, SILU_MUL)
 
 
 def pick_blocks(n: int, k: int) -> tuple[int, int]:
@@ -125,9 +127,13 @@ def gemv_w8(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int = 4,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x: [M, K] (fp16/bf16/fp32, M <= GEMV_MAX_ROWS); qweight: [N, K] int8 or
-    float8_e4m3fn; scale: N fp32 values ([N] or [1, N]); bias: [N] | None -> [M, N] in x's dtype."""
+    float8_e4m3fn; scale: N fp32 values ([N] or [1, N]); bias: [N] | None -> [M, N] in x's dtype.
+    silu_mul: the weight is [gate | up] and the result silu(gate) * up, [M, N / 2], as
+    `silu_and_mul` of the plain result (the same roundings; the fp32 sums may be added in
+    another order)."""
     assert x.dim() == 2 and qweight.dim() == 2 and x.shape[1] == qweight.shape[1], (x.shape, qweight.shape)
     assert qweight.dtype in (torch.int8, torch.float8_e4m3fn), qweight.dtype
     assert scale.dtype == torch.float32 and scale.numel() == qweight.shape[0] and scale.is_contiguous()
@@ -136,9 +142,13 @@ def gemv_w8(
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= GEMV_MAX_ROWS, f"{m} rows: the GEMV is for decode (at most {GEMV_MAX_ROWS})"
+    if silu_mul:
+        assert n % 2 == 0, f"{n} rows are not [gate | up]"
+        n //= 2
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     default_n, default_k = pick_blocks(n, k)
-    block_n = block_n or default_n
+    # silu_mul: a program reads gate and up rows, so half as many outputs for the same tile.
+    block_n = block_n or (default_n // 2 if silu_mul else default_n)
     block_k = min(block_k or default_k, triton.next_power_of_2(k))
     grid = (m, triton.cdiv(n, block_n))
     use_pdl = pdl.enabled(x)
@@ -146,7 +156,7 @@ def gemv_w8(
         x, qweight.view(torch.uint8), scale, bias if bias is not None else scale, y,
         n, k, x.stride(0), qweight.stride(0), y.stride(0),
         FP8=qweight.dtype == torch.float8_e4m3fn, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, num_warps=num_warps,
-        launch_pdl=use_pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, SILU_MUL=silu_mul,
+        num_warps=num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

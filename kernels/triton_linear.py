@@ -18,9 +18,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
+from kernels.triton_ops import silu_times
 
 BLOCK_N = 2
 MAX_BLOCK_K = 1024
+TWO_FIRST = True
 
 
 @triton.jit
@@ -29,6 +31,35 @@ def _load_k(ptr, kk, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(ptr + kk)
     return tl.load(ptr + kk, mask=kk < K, other=0.0)
+
+
+@triton.jit
+def weight_rows(pid, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The weight rows program pid reads: outputs pid * BLOCK_N + [0, BLOCK_N), or with SILU_MUL
+    (w = [gate | up], [2N, K]) gate rows n then up rows N + n ([2 BLOCK_N]). -> (rows, valid);
+    rows past N read row 0 (their results are not stored)."""
+    if SILU_MUL:
+        r = tl.arange(0, 2 * BLOCK_N)
+        n = pid * BLOCK_N + r % BLOCK_N
+        rows = tl.where(n < N, n, 0) + (r // BLOCK_N) * N
+    else:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.where(n < N, n, 0)
+    return rows, n < N
+
+
+@triton.jit
+def store_outputs(y, y_row_ptr, pid, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """Store a program's fp32 row results (as weight_rows ordered them) in y's dtype; with
+    SILU_MUL, silu(gate) * up rounded as `silu_and_mul` of the stored halves would be."""
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    element_ty: tl.constexpr = y_row_ptr.dtype.element_ty
+    if SILU_MUL:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N)), (1, 0)))
+        out = silu_times(gate.to(element_ty), up.to(element_ty), element_ty)
+    else:
+        out = y.to(element_ty)
+    tl.store(y_row_ptr + offs_n, out, mask=offs_n < N)
 
 
 @triton.jit
@@ -45,33 +76,45 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    TWO_FIRST: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
-    rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    n_mask = rn < N
-    rows = w_ptr + tl.where(n_mask, rn, 0)[:, None] * stride_wn  # out-of-range rows read row 0
+    rn, n_mask = weight_rows(tl.program_id(0), N, BLOCK_N, SILU_MUL)
+    rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     rk = tl.arange(0, BLOCK_K)
     w = _load_k(rows, rk, K, EVEN_K)
+    if TWO_FIRST:  # K >= 2 BLOCK_K, EVEN_K: the second tile goes out before the wait too
+        w2 = _load_k(rows, BLOCK_K + rk, K, True)
     if PDL:
-        gdc_wait()  # the first weight tile is in flight; x is the kernel before's output (kernels/pdl.py)
+        gdc_wait()  # the first weight tiles are in flight; x is the kernel before's output (kernels/pdl.py)
     acc = w.to(tl.float32) * _load_k(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if TWO_FIRST:
+        acc += w2.to(tl.float32) * _load_k(x_ptr, BLOCK_K + rk, K, True).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K * (2 if TWO_FIRST else 1), K, BLOCK_K):
         w = _load_k(rows, k0 + rk, K, EVEN_K)
         acc += w.to(tl.float32) * _load_k(x_ptr, k0 + rk, K, EVEN_K).to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    y = tl.sum(acc, axis=1)  # [rows]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    store_outputs(y, y_ptr, tl.program_id(0), N, BLOCK_N, SILU_MUL)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, K] (contiguous), weight [N, K] (unit stride along K) -> [1, N] in x's dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+    """x [1, K] (contiguous), weight [N, K] (unit stride along K) -> [1, N] in x's dtype.
+    silu_mul: the weight is [gate | up] and the result silu(gate) * up, [1, N / 2], as
+    `silu_and_mul` of the plain result (the same roundings; the fp32 sums may be added in
+    another order)."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1, f"one contiguous row, got {tuple(x.shape)}"
     n, k = weight.shape
     assert x.shape[1] == k and weight.stride(1) == 1, f"x {tuple(x.shape)} against weight {tuple(weight.shape)}"
+    if silu_mul:
+        assert n % 2 == 0, f"{n} rows are not [gate | up]"
+        n //= 2
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
     use_pdl = pdl.enabled(x)
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+    block_n = BLOCK_N // 2 if silu_mul else BLOCK_N  # gate and up rows: the same tile
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         bias if bias is not None else weight,  # never read without HAS_BIAS
@@ -81,9 +124,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
         weight.stride(0),
         HAS_BIAS=bias is not None,
         EVEN_K=k % block_k == 0,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=use_pdl,
+        TWO_FIRST=TWO_FIRST and k % block_k == 0 and k >= 2 * block_k,
+        SILU_MUL=silu_mul,
         num_warps=4,
         launch_pdl=use_pdl,
     )

@@ -344,14 +344,19 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + intermediate_size + cols, mask=mask, other=0.0)
-    element_ty = out_ptr.dtype.element_ty
-    # silu(gate) is rounded to the activation dtype before the product, as in the reference
-    # (and HF transformers); a no-op in fp32.
-    silu = (gate / (1.0 + tl.exp(-gate))).to(element_ty)
-    out = silu.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, out.to(element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, silu_times(gate, up, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_times(gate, up, element_ty: tl.constexpr):
+    """silu(gate) * up in element_ty, gate and up already in element_ty (the GEMVs' fused
+    epilogue rounds them first). silu(gate) is rounded to the activation dtype before the
+    product, as in the reference (and HF transformers); a no-op in fp32."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(element_ty)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(element_ty)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.quantization.online import OnlineMethod
-from kernels.quant_ops import FP8_MAX, fp8_linear
+from kernels.quant_ops import FP8_MAX, fp8_linear, w8_linear_silu_mul
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +59,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]
         return fp8_linear(x, self.qweight, self.weight_scale, self.bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        # gate_up_proj: x [T, K] -> silu(gate) * up [T, out_features / 2]
+        return w8_linear_silu_mul(fp8_linear, x, self.qweight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 (w8a16 decode, w8a8 prefill)"

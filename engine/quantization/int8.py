@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.quantization.online import OnlineMethod
-from kernels.quant_ops import int8_linear
+from kernels.quant_ops import int8_linear, w8_linear_silu_mul
 
 INT8_MAX = 127
 
@@ -54,6 +54,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]
         return int8_linear(x, self.qweight, self.weight_scale, self.bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        # gate_up_proj: x [T, K] -> silu(gate) * up [T, out_features / 2]
+        return w8_linear_silu_mul(int8_linear, x, self.qweight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

@@ -58,6 +58,37 @@ def test_gemv_w8_matches_reference(fmt: str, dtype: torch.dtype, m: int, n: int,
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "k", "blocks"), [(40, 72, (None, None)), (22, 300, (2, 128))], ids=["default", "2x128"])
+def test_gemv_w8_silu_mul_equals_silu_and_mul_of_the_gemv(
+    fmt: str, dtype: torch.dtype, n: int, k: int, blocks: tuple[int | None, int | None]
+) -> None:
+    """gate_up_proj at batch 1: one launch, the GEMV followed by the Triton silu_and_mul
+    kernel (halves rounded to x's dtype, silu rounded, then the product); equal under the
+    interpreter, compiled the fp32 sums may be added in another order."""
+    from kernels import triton_ops
+
+    q, scale = quantize_w8(fmt, n, k)
+    x, bias = randn(1, k, dtype=dtype, seed=5), randn(n, dtype=dtype, seed=6)
+    fused = gemv_w8(x, q, scale, bias, *blocks, silu_mul=True)
+    assert fused.shape == (1, n // 2) and fused.dtype == dtype
+    assert_close(fused, triton_ops.silu_and_mul(gemv_w8(x, q, scale, bias, *blocks)), dtype)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_w8_linear_silu_mul_dispatch_equals_two_calls(fmt: str) -> None:
+    from kernels import silu_and_mul
+
+    q, scale = quantize_w8(fmt, 24, 64)
+    linear = quant_ops.int8_linear if fmt == "int8" else quant_ops.fp8_linear
+    scale = scale if fmt == "int8" else scale[None, :]
+    for rows in (1, 3, 20):
+        x = randn(rows, 64, seed=rows)
+        expected = silu_and_mul(linear(x, q, scale, None))
+        assert_close(quant_ops.w8_linear_silu_mul(linear, x, q, scale, None), expected, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("blocks", [(None, None), (4, 64), (2, 128)], ids=["default", "4x64", "2x128"])
 @pytest.mark.parametrize("k", [256, 200])
 def test_gemv_w8_blocks(fmt: str, blocks: tuple[int | None, int | None], k: int) -> None:

@@ -67,3 +67,36 @@ def test_gemv_llama_shapes_bf16(n: int, k: int) -> None:
     y = kernels.linear(x, w)
     ref = F.linear(x.float(), w.float())
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+# --- SiLU-and-mul fused into the GEMV (gate_up_proj at batch 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "k", "bias"), [(16, 64, False), (14, 100, True), (6, 2048, False)], ids=["even", "odd", "two-k"])
+def test_gemv_silu_mul_equals_silu_and_mul_of_the_gemv(n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    """What the two launches give: the halves rounded to x's dtype, silu rounded, then the
+    product (the Triton silu_and_mul kernel's sequence). Equal under the interpreter; compiled,
+    the fp32 row sums may be added in another order (another tile layout), hence a tolerance."""
+    from kernels import triton_ops
+
+    x, w, b = _case(n, k, dtype, bias, seed=3)
+    fused = triton_linear.gemv(x, w, b, silu_mul=True)
+    assert fused.shape == (1, n // 2) and fused.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(fused, triton_ops.silu_and_mul(triton_linear.gemv(x, w, b)), **tol)
+
+
+def test_linear_silu_mul_dispatch_equals_two_calls() -> None:
+    x, w, b = _case(8, 32, torch.float32, True)
+    for rows in (1, 3):
+        xs = x.expand(rows, 32).contiguous()
+        expected = kernels.silu_and_mul(kernels.linear(xs, w, b))
+        torch.testing.assert_close(kernels.linear_silu_mul(xs, w, b), expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="realistic shapes in bf16 need a GPU")
+def test_linear_silu_mul_llama_gate_up_bf16() -> None:
+    x, w, _ = _case(28672, 4096, torch.bfloat16, False)
+    expected = kernels.silu_and_mul(kernels.linear(x, w))
+    torch.testing.assert_close(kernels.linear_silu_mul(x, w), expected, rtol=1e-2, atol=1e-2)
