@@ -1,6 +1,7 @@
 """Where a decode step's host time goes, with async scheduling on and off (one GPU).
 
     PYTHONPATH=. python benchmarks/profile_decode_step.py [--preset llama-3.2-1b] [--batch 1,64]
+        [--kernels | --kernels-only] [--quantization fp8]
 
 For each batch size: the GPU time of one decode step alone (its CUDA graph replayed back to
 back: the floor for the inter-token latency), then per mode the inter-token latency of
@@ -98,14 +99,18 @@ def main() -> None:
     parser.add_argument("--batch", default="1,64", help="comma list of batch sizes")
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--kernels", action="store_true", help="also list the batch-1 graph's kernels")
+    parser.add_argument("--kernels-only", action="store_true", help="only list the batch-1 graph's kernels")
+    parser.add_argument("--quantization", default=None, help="fp8, int8, gptq, awq (dummy weights)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     llm_async = LLM(args.preset, load_format="dummy", device="cuda", dtype="bfloat16", num_blocks=4096,
                     block_size=16, max_model_len=4096, max_num_batched_tokens=8192, max_num_seqs=max(batches),
-                    enable_prefix_caching=False, async_scheduling=True)
+                    enable_prefix_caching=False, async_scheduling=True, quantization=args.quantization)
+    if args.kernels or args.kernels_only:
+        kernel_table(llm_async, top=24)
+    if args.kernels_only:
+        return
     llm_sync = llm_async.derive(async_scheduling=False)
-    if args.kernels:
-        kernel_table(llm_async)
     for cls, name, label in [
         (scheduler.Scheduler, "schedule", "schedule"),
         (scheduler.Scheduler, "update_from_output", "update_from_output"),
