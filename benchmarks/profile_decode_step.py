@@ -78,6 +78,35 @@ def kernel_table(llm: LLM, num_steps: int = 64, top: int = 16) -> None:
     print(f"batch-1 step: {wall_us:.0f} us wall (profiled), {busy_us:.0f} us of kernels and copies", flush=True)
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / num_steps:8.1f} us  {e.count / num_steps:6.1f}/step  {e.key[:90]}", flush=True)
+    step_shares(prof, num_steps)
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the order of a decoder layer's batch-1 GEMVs
+
+
+def step_shares(prof: Any, num_steps: int) -> None:
+    """Each kernel's share of the GPU's step: its end minus the end of the kernel before it.
+    Under programmatic dependent launch kernels start early and their durations overlap;
+    the shares add up to the time the GPU spent. GEMVs are told apart by projection (4 per
+    layer, in order: decode steps run every GEMV, prefill none)."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    share: dict[str, float] = collections.defaultdict(float)
+    duration: dict[str, float] = collections.defaultdict(float)
+    gemvs, prev_end = 0, None
+    for e in kernels:
+        label = e.name[:40]
+        if "gemv" in e.name:
+            label = f"{label} {PROJECTIONS[gemvs % 4]}"
+            gemvs += 1
+        end = e.time_range.end
+        share[label] += end - (prev_end if prev_end is not None else e.time_range.start)
+        duration[label] += e.time_range.elapsed_us()
+        prev_end = max(end, prev_end or end)
+    print(f"step shares (end - previous end), us per step; sum {sum(share.values()) / num_steps:.0f}", flush=True)
+    for label, total in sorted(share.items(), key=lambda kv: -kv[1])[:16]:
+        print(f"  {total / num_steps:8.1f} us share  {duration[label] / num_steps:8.1f} us duration  {label}", flush=True)
 
 
 def profile(llm: LLM, prompts: list[list[int]], num_steps: int) -> tuple[float, dict[str, float], list[list[int]]]:
