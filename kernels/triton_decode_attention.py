@@ -7,8 +7,8 @@ Semantics are those of `kernels.reference.decode_attention`. Two launches:
      blocks (each token finds its block through the block table). It keeps an fp32 online
      softmax and writes a partial (max, sum, acc) per query head, or, when there is one
      split, the normalised output directly (and launch 2 is skipped).
-  2. `_combine_splits_kernel`, grid (B, Hq): rescales the partials to a common max and sums;
-     on Hopper it lets the o projection's GEMV start as it does (kernels/pdl.py).
+  2. `_combine_splits_kernel`, grid (B, Hq): rescales the partials to a common max and sums.
+On Hopper both start early and wait for the kernel before (PDL, kernels/pdl.py).
 
 Launch shapes depend only on tensor shapes and `max_seq_len` (never on the values in
 `seq_lens`), and nothing syncs with the host, so the call can be captured in a CUDA graph.
@@ -26,7 +26,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels import pdl
 from kernels.fp8_kv import is_fp8
@@ -81,7 +80,9 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.dependent_start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,10 +162,9 @@ def _combine_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()  # the o projection's GEMV may start (kernels/pdl.py)
+    pdl.dependent_start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -263,8 +263,10 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
+        PDL=pdl.enabled(q),
         num_warps=4,
         num_stages=num_stages,
+        launch_pdl=pdl.enabled(q),
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(batch_size, num_heads)](
@@ -273,8 +275,9 @@ def decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
-            LAUNCH_DEPENDENTS=pdl.enabled(q),
+            PDL=pdl.enabled(q),
             num_warps=4,
+            launch_pdl=pdl.enabled(q),
         )  # fmt: skip
     return out
 

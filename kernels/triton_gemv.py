@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
 from kernels.triton_linear import store_outputs, weight_rows
@@ -96,6 +96,8 @@ def _gemv_w8_kernel(
 ):  # fmt: skip
     """SILU_MUL: w is [gate | up] ([2N, K]); the program sums gate rows n and up rows N + n
     and writes silu(gate) * up ([M, N])."""
+    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
+        gdc_launch_dependents()
     row = tl.program_id(0)
     w_idx, mask_w = weight_rows(tl.program_id(1), N, BLOCK_N, SILU_MUL)
     w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * stride_wn  # [R, 1]; past N: row 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
 from kernels.triton_ops import silu_times
@@ -79,6 +79,8 @@ def _gemv_kernel(
     TWO_FIRST: tl.constexpr,
     SILU_MUL: tl.constexpr,
 ):
+    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
+        gdc_launch_dependents()
     rn, n_mask = weight_rows(tl.program_id(0), N, BLOCK_N, SILU_MUL)
     rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     rk = tl.arange(0, BLOCK_K)

@@ -4,8 +4,8 @@ rotary embedding, SiLU-and-mul.
 Each wrapper has the signature and semantics of the same-named function in
 `kernels/reference.py`, which is its definition in the tests. The wrappers read only shapes,
 strides and dtypes, never tensor values, so they launch without a host sync and can be
-captured in a CUDA graph. Fused add + RMS norm and SiLU-and-mul feed the batch-1 GEMVs: on
-Hopper they let the GEMV start as they do (LAUNCH_DEPENDENTS, kernels/pdl.py). Row offsets are computed in int64: a KV cache or an activation
+captured in a CUDA graph. On Hopper the decode chain's kernels
+start early and wait for the one before (PDL, kernels/pdl.py). Row offsets are computed in int64: a KV cache or an activation
 can hold more than 2**31 elements. An fp8 KV cache (kernels/fp8_kv.py) is written as
 value / scale, divided with IEEE rounding and saturated, so the stored bytes equal torch's.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels import pdl
 from kernels.fp8_kv import FP8_MAX, is_fp8
@@ -142,10 +141,9 @@ def _fused_add_rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    pdl.dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -201,8 +199,9 @@ def fused_add_rms_norm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            LAUNCH_DEPENDENTS=pdl.enabled(x),
+            PDL=pdl.enabled(x),
             num_warps=min(max(block // 512, 1), 16),
+            launch_pdl=pdl.enabled(x),
         )
     new_residual = x if residual is None else new_residual.view(x.shape)
     return out.view(x.shape), new_residual
@@ -337,10 +336,9 @@ def _silu_and_mul_kernel(
     out_stride,
     intermediate_size,
     BLOCK: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    pdl.dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -372,6 +370,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         grid = (x2d.shape[0], triton.cdiv(intermediate_size, block))
         _silu_and_mul_kernel[grid](
             x2d, out, x2d.stride(0), out.stride(0), intermediate_size, BLOCK=block,
-            LAUNCH_DEPENDENTS=pdl.enabled(x), num_warps=4,
+            PDL=pdl.enabled(x), num_warps=4, launch_pdl=pdl.enabled(x),
         )  # fmt: skip
     return out.view(*x.shape[:-1], intermediate_size)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_kv import is_fp8
 from kernels.triton_ops import _to_fp8
 
@@ -51,8 +52,9 @@ def _rotary_write_kv_cache_kernel(
     cache_stride_block, cache_stride_kv, cache_stride_offset, cache_stride_h, cache_stride_d,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.dependent_start(PDL)  # kernels/pdl.py
     token = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + token * cos_stride_t + half, mask=half < HALF, other=0.0).to(tl.float32)
@@ -133,6 +135,8 @@ def rotary_write_kv_cache(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         KV_FP8=kv_fp8,
+        PDL=pdl.enabled(q),
         num_warps=4,
+        launch_pdl=pdl.enabled(q),
     )  # fmt: skip
     return q, k

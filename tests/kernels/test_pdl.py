@@ -1,8 +1,9 @@
 """Programmatic dependent launch (kernels/pdl.py) in the batch-1 decode chain.
 
-The GEMVs start while the kernel before them is still running and read x only after
-`gdc_wait()`. A missing or misplaced wait would read a stale x: the chain below (norm ->
-bf16 GEMV -> SiLU-and-mul -> fp8 GEMV -> decode attention -> INT4 GEMV -> ...) is replayed
+Every kernel of the chain may start while the one before it is still running and reads
+its inputs only after `gdc_wait()`. A missing or misplaced wait would read stale data: the
+chain below (norm -> bf16 GEMV -> SiLU-and-mul -> fp8 GEMV -> norm -> bf16 qkv GEMV ->
+rotary + KV write -> decode attention (split, combine) -> INT4 GEMV -> ...) is replayed
 from one CUDA graph with PDL on and must equal, bit for bit, the same kernels launched
 eagerly with PDL off. Each step's input is the previous step's output, and the residual
 chain makes every stale read visible in the result. Needs compute capability 9.0 (Hopper);
@@ -41,16 +42,20 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
     norm_w = [1.0 + randn(D, std=0.1) for _ in range(2 * num_layers)]
     gate_up = [randn(2 * INTER, D) for _ in range(num_layers)]
     down = [quantize_fp8(randn(D, INTER).float()) for _ in range(num_layers)]
-    q_proj = [randn(HEADS * HEAD_DIM, D) for _ in range(num_layers)]
+    qkv_proj = [randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, D) for _ in range(num_layers)]
     o_int4 = []
     for _ in range(num_layers):
         packed = pack_gptq(quantize_rtn(randn(D, HEADS * HEAD_DIM).float().cpu(), 128, sym=False, min_zero=0), 0)
         o_int4.append((gptq_to_rows(packed["qweight"]).cuda(), packed["qzeros"].cuda(), packed["scales"].cuda()))
     num_blocks, seq_len = 64, 300
     kv_cache = randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, std=1.0)
+    angles = (seq_len - 1) * torch.rand(1, HEAD_DIM // 2, generator=g, device="cuda")
+    cos, sin = angles.cos(), angles.sin()
+    block_table = torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)[None, :]
+    last = seq_len - 1  # the new token's slot: rotary + KV write fills it, attention reads it
     meta = kernels.AttentionMetadata(
-        slot_mapping=torch.tensor([seq_len - 1], device="cuda"),
-        block_tables=torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)[None, :],
+        slot_mapping=(block_table[0, last // BLOCK].long() * BLOCK + last % BLOCK).reshape(1),
+        block_tables=block_table,
         seq_lens=torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
         max_query_len=1,
@@ -64,8 +69,13 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
             act = kernels.silu_and_mul(kernels.linear(h, gate_up[i]))  # bf16 GEMV
             x = fp8_linear(act, down[i][0], down[i][1][None, :], None)  # fp8 GEMV
             h, residual = kernels.fused_add_rms_norm(x, residual, norm_w[2 * i + 1], 1e-5)
-            q = kernels.linear(h, q_proj[i]).view(1, HEADS, HEAD_DIM)
-            attn = kernels.paged_attention(q, q, q, kv_cache, meta, HEAD_DIM**-0.5)  # split + combine
+            qkv = kernels.linear(h, qkv_proj[i])
+            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+            q, k = kernels.rotary_write_kv_cache(
+                q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM), v.view(1, KV_HEADS, HEAD_DIM),
+                cos, sin, kv_cache, meta.slot_mapping,
+            )  # fmt: skip
+            attn = kernels.paged_attention(q, k, k, kv_cache, meta, HEAD_DIM**-0.5)  # split + combine
             qweight, qzeros, scales = o_int4[i]
             x = kernels.int4_gemm(attn.view(1, -1), qweight, qzeros, scales, None, 128, "rows", 0)
         return x + residual
