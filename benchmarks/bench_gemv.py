@@ -8,7 +8,8 @@ bandwidth measured in the same run.
 Shapes: llama-3.1-8b and llama-3.2-1b's qkv, o, gate_up and down projections. Each is
 timed inside a CUDA graph (as decode steps run) over enough distinct weights to exceed
 the 50 MB L2, so every weight comes from HBM. `--sweep` then times the 1-byte GEMV's block
-shapes (BLOCK_N x BLOCK_K, warps) on the 8b shapes, the search behind `pick_blocks`.
+shapes (BLOCK_N x BLOCK_K, warps, lane sums) on the 8b shapes, the search behind
+`pick_blocks` and `LANE_SUMS`.
 """
 
 from __future__ import annotations
@@ -68,7 +69,13 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (do_bench(lambda: dst.copy_(src)) * 1e-3)
 
 
-SWEEP_BLOCKS = [(4, 2048, 4), (2, 2048, 4), (8, 2048, 4), (4, 1024, 4), (8, 1024, 4), (4, 4096, 4), (4, 2048, 2)]
+# (BLOCK_N, BLOCK_K, warps, lane sums): per-thread partial sums across tiles (triton_gemv.LANE_SUMS)
+# take the loop's cross-warp reduction out (benchmarks/kernel_sass.py); larger tiles may pay then.
+SWEEP_BLOCKS = [
+    (4, 2048, 4, False), (2, 2048, 4, False), (8, 2048, 4, False), (4, 1024, 4, False), (8, 1024, 4, False),
+    (4, 4096, 4, False), (4, 2048, 2, False),
+    (4, 2048, 4, True), (8, 2048, 4, True), (4, 4096, 4, True), (8, 1024, 4, True), (4, 2048, 8, True),
+]
 
 
 def main() -> None:
@@ -110,10 +117,13 @@ def sweep(bandwidth: float) -> None:
                 qs = [(torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(count)]
             else:
                 qs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(count)]
-            for block_n, block_k, warps in SWEEP_BLOCKS:
-                calls = [functools.partial(gemv_w8, x, q, scale, None, block_n, block_k, warps) for q in qs]
+            for block_n, block_k, warps, lane_sums in SWEEP_BLOCKS:
+                calls = [
+                    functools.partial(gemv_w8, x, q, scale, None, block_n, block_k, warps, lane_sums=lane_sums)
+                    for q in qs
+                ]
                 seconds = graph_seconds(calls)
-                row = {"shape": name, "fmt": fmt, "blocks": f"{block_n}x{block_k}", "warps": warps}
+                row = {"shape": name, "fmt": fmt, "blocks": f"{block_n}x{block_k}", "warps": warps, "lane_sums": lane_sums}
                 print(json.dumps(row | {"us": round(seconds * 1e6, 2), "of_copy": round(n * k / seconds / bandwidth, 3)}))
             del qs
 

@@ -32,6 +32,12 @@ from kernels import pdl
 from kernels.triton_linear import store_outputs, weight_rows
 
 GEMV_MAX_ROWS = 4
+# Row sums per tile (False) reduce each [BN, BK] tile across the program's warps through
+# shared memory, with barriers, every iteration: 277 SASS instructions per 64 weights per
+# thread in the fp8 loop. Per-thread partial sums kept across tiles (True) make it 219 with
+# no barrier in the loop (benchmarks/kernel_sass.py, compiled for sm_90 without a GPU). Not
+# yet timed on the H200 (docs/benchmarks.md): off until it is.
+LANE_SUMS = False
 
 
 @triton.jit
@@ -82,10 +88,20 @@ def _load_k(rows, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.
 
 
 @triton.jit
-def _tile_sum(bits, x_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, INT8_PTX: tl.constexpr):
-    """Row sums of x * w over one [BN, BK] weight tile (its uint8 bits) at k0 -> [BN] fp32."""
+def _tile_sum(
+    bits, x_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, INT8_PTX: tl.constexpr,
+    LANE_SUMS: tl.constexpr,
+):  # fmt: skip
+    """Sums of x * w over one [BN, BK] weight tile (its uint8 bits) at k0: [BN] fp32 row sums,
+    or with LANE_SUMS [BN, BK / 16] sums of runs of 16 along K (each within one thread, so no
+    reduction across threads until the kernel's end)."""
     x = _load_k(x_row, k0, K, EVEN_K, BLOCK_K, "")  # [BN, BK], the same x in every row
-    return tl.sum(x.to(tl.float32) * w8_to_float(bits, FP8, INT8_PTX), axis=1)
+    prod = x.to(tl.float32) * w8_to_float(bits, FP8, INT8_PTX)
+    if LANE_SUMS:
+        sums = tl.sum(tl.reshape(prod, (prod.shape[0], BLOCK_K // 16, 16)), axis=2)
+    else:
+        sums = tl.sum(prod, axis=1)
+    return sums
 
 
 @triton.jit
@@ -93,9 +109,11 @@ def _gemv_w8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr,
+    LANE_SUMS: tl.constexpr,
 ):  # fmt: skip
     """SILU_MUL: w is [gate | up] ([2N, K]); the program sums gate rows n and up rows N + n
-    and writes silu(gate) * up ([M, N])."""
+    and writes silu(gate) * up ([M, N]). LANE_SUMS: keep per-thread partial sums across tiles
+    and reduce across threads once, at the end (the module's LANE_SUMS says why)."""
     if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
         gdc_launch_dependents()
     row = tl.program_id(0)
@@ -105,10 +123,12 @@ def _gemv_w8_kernel(
     bits = _load_k(w_rows, 0, K, EVEN_K, BLOCK_K, "evict_first")  # [R, BK]
     if PDL:
         gdc_wait()  # the first tile is in flight; x is the kernel before's output (kernels/pdl.py)
-    acc = _tile_sum(bits, x_row, 0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX)
+    acc = _tile_sum(bits, x_row, 0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")
-        acc += _tile_sum(bits, x_row, k0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX)
+        acc += _tile_sum(bits, x_row, k0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
+    if LANE_SUMS:
+        acc = tl.sum(acc, axis=1)
     y = acc * tl.load(scale_ptr + w_idx, mask=mask_w, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_idx, mask=mask_w, other=0.0).to(tl.float32)
@@ -130,6 +150,7 @@ def gemv_w8(
     block_k: int | None = None,
     num_warps: int = 4,
     silu_mul: bool = False,
+    lane_sums: bool | None = None,
 ) -> torch.Tensor:
     """x: [M, K] (fp16/bf16/fp32, M <= GEMV_MAX_ROWS); qweight: [N, K] int8 or
     float8_e4m3fn; scale: N fp32 values ([N] or [1, N]); bias: [N] | None -> [M, N] in x's dtype.
@@ -159,6 +180,7 @@ def gemv_w8(
         n, k, x.stride(0), qweight.stride(0), y.stride(0),
         FP8=qweight.dtype == torch.float8_e4m3fn, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, SILU_MUL=silu_mul,
+        LANE_SUMS=(LANE_SUMS if lane_sums is None else lane_sums) and block_k >= 16,
         num_warps=num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

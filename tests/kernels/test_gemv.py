@@ -48,13 +48,27 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 72), (3, 37, 100), (4, 16, 300)])
-def test_gemv_w8_matches_reference(fmt: str, dtype: torch.dtype, m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize("lane_sums", [False, True], ids=["row-sums", "lane-sums"])
+def test_gemv_w8_matches_reference(fmt: str, dtype: torch.dtype, m: int, n: int, k: int, lane_sums: bool) -> None:
     q, scale = quantize_w8(fmt, n, k)
     x = randn(m, k, dtype=dtype, seed=1)
     bias = randn(n, dtype=dtype, seed=2)
     # block_k 32: several K tiles and a ragged last one; block_n 8: a ragged last N block.
-    actual = gemv_w8(x, q, scale, bias, block_n=8, block_k=32)
+    actual = gemv_w8(x, q, scale, bias, block_n=8, block_k=32, lane_sums=lane_sums)
     assert_close(actual, quant_ops.int8_linear_reference(x, q, scale, bias), dtype)
+
+
+def test_gemv_w8_lane_sums_with_silu_mul_and_a_short_k() -> None:
+    """Per-thread partial sums with the SiLU epilogue, and a K under 16 (one tile of 8: the
+    wrapper keeps row sums there)."""
+    from kernels import triton_ops
+
+    for n, k in [(24, 200), (12, 8)]:
+        q, scale = quantize_w8("fp8", n, k)
+        x = randn(1, k, seed=7)
+        fused = gemv_w8(x, q, scale, None, silu_mul=True, lane_sums=True)
+        expected = triton_ops.silu_and_mul(quant_ops.int8_linear_reference(x, q, scale, None))
+        assert_close(fused, expected, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
