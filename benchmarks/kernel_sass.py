@@ -25,18 +25,19 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import triton_gemv, triton_linear
+from kernels import triton_gemv, triton_int4_rows, triton_linear
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+NOT_DIVISIBLE = {"split_k"}  # run-time values a launch does not specialise (1, 2, 3, ...)
 _OP = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
 def sass(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> str:
     """fn's SASS for sm_90. signature: argument -> Triton type; every non-constexpr argument
-    is taken as divisible by 16, as the JIT specialises a real launch's."""
+    but NOT_DIVISIBLE is taken as divisible by 16, as the JIT specialises a real launch's."""
     sig = dict(signature) | {name: "constexpr" for name in constexprs}
     names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in NOT_DIVISIBLE}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     path = f"/tmp/kernel_sass_{os.getpid()}.cubin"
@@ -49,14 +50,16 @@ def sass(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_war
 
 
 def main_loop(code: str) -> collections.Counter[str]:
-    """Opcodes between the last backward branch and its target."""
+    """Opcodes of the longest loop: between a backward branch and its target."""
     lines = code.splitlines()
     index = {int(m.group(1), 16): i for i, line in enumerate(lines) if (m := _OP.match(line))}
     loop = None
     for i, line in enumerate(lines):
         branch = re.search(r"BRA (0x[0-9a-f]+)", line)
         if branch and index.get(int(branch.group(1), 16), i) < i:
-            loop = (index[int(branch.group(1), 16)], i)
+            start = index[int(branch.group(1), 16)]
+            if loop is None or i - start > loop[1] - loop[0]:
+                loop = (start, i)
     assert loop is not None, "no loop found"
     return collections.Counter(m.group(3) for line in lines[loop[0] : loop[1] + 1] if (m := _OP.match(line)))
 
@@ -64,6 +67,11 @@ def main_loop(code: str) -> collections.Counter[str]:
 W8_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",
     "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+}  # fmt: skip
+INT4_SIGNATURE = {
+    "x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*bf16", "bias_ptr": "*bf16",
+    "ws_ptr": "*fp32", "lock_ptr": "*i32", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_qn": "i32",
+    "group_size": "i32", "split_k": "i32", "exponent": "i32",
 }  # fmt: skip
 BF16_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
 
@@ -86,6 +94,9 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu)
         name = f"bf16 GEMV{', SiLU fused' if silu else ''}"
         out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128))
+    for block_n in (64, 128):  # pick_rows_config: 128 outputs above N = 4096, else 64; 2 warps
+        consts = dict(ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=block_n, UNROLL=1, GROUP_J=8, NUM_STAGES=3, PDL=True)
+        out.append((f"INT4 rows GEMV, {block_n} outputs", triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, block_n * 128 // 64))
     return out
 
 
@@ -96,7 +107,7 @@ def main() -> None:
     print("| kernel | loop instructions | weights per thread | per weight | per weight byte | STS/LDS | barriers |")
     print("|---|---|---|---|---|---|---|")
     for name, fn, signature, consts, weights in variants():
-        code = sass(fn, signature, consts)
+        code = sass(fn, signature, consts, num_warps=2 if "INT4" in name else 4)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             with open(os.path.join(args.dump, re.sub(r"\W+", "_", name) + ".sass"), "w") as f:
@@ -104,7 +115,7 @@ def main() -> None:
         ops = main_loop(code)  # one weight tile per iteration
         total = sum(ops.values())
         per_weight = total / weights
-        byte = 2 if "bf16" in name else 1
+        byte = 2 if "bf16" in name else 0.5 if "INT4" in name else 1
         shared = ops["STS"] + ops["LDS"]
         bars = sum(n for op, n in ops.items() if op.startswith("BAR"))
         print(f"| {name} | {total} | {weights} | {per_weight:.2f} | {per_weight / byte:.2f} | {shared} | {bars} |", flush=True)
