@@ -16,11 +16,13 @@ kernel launch, then wait. The bf16 and 1-byte GEMVs let theirs launch as they st
 except the gate_up GEMV with SiLU-and-mul fused, whose successor is the down GEMV (its early
 weight loads competed with gate_up's: int8 +30 us a step), and the INT4 GEMV (gptq +490 us
 a step when it did). So while a GEMV streams, the norm or rotary after it is resident,
-waiting, and the GEMV after that is loading weights while the norm runs. Correctness never rests on the early start: a kernel reads nothing of
-its inputs and writes nothing before its wait, the wait covers every kernel before it by
-induction, and a kernel launched without PDL ignores both instructions. A kernel launches
-only once every program of the one before has started, so the waiting kernels never hold
-back one that must finish first.
+waiting, and the GEMV after that is loading weights while the norm runs.
+
+Correctness never rests on the early start: a kernel reads nothing of its inputs and writes
+nothing before its wait, the wait covers every kernel before it by induction, and a kernel
+launched without PDL ignores both instructions. A kernel launches only once every program
+of the one before has started, so the waiting kernels never hold back one that must finish
+first.
 
 `VLLM_CLUSTER_PDL=0` turns it off (benchmarks compare both in one run through `ENABLED`).
 """

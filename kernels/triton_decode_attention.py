@@ -245,6 +245,7 @@ def decode_attention(
         part_sum = torch.empty_like(part_max)
         part_acc = q.new_empty((*part_max.shape, head_dim_pad), dtype=torch.float32)
     tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
+    use_pdl = pdl.enabled(q)
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * math.log2(math.e),
@@ -263,10 +264,10 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
-        PDL=pdl.enabled(q),
+        PDL=use_pdl,
         num_warps=4,
         num_stages=num_stages,
-        launch_pdl=pdl.enabled(q),
+        launch_pdl=use_pdl,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(batch_size, num_heads)](
@@ -275,9 +276,9 @@ def decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
-            PDL=pdl.enabled(q),
+            PDL=use_pdl,
             num_warps=4,
-            launch_pdl=pdl.enabled(q),
+            launch_pdl=use_pdl,
         )  # fmt: skip
     return out
 

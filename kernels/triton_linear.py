@@ -5,9 +5,10 @@ step is bound by memory, so the kernel only has to stream the weight at full ban
 Each program owns BLOCK_N output rows and walks K in BLOCK_K chunks, multiplying in fp32
 and reducing once at the end. On the H200 (copy 4.25 TB/s) this reads llama-3.1-8b's
 o_proj at 76% of the copy bandwidth against cuBLAS's 59%, qkv 84% against 74%, down 88-91%
-against 86% (benchmarks/bench_gemv.py). The first weight tile is loaded before the kernel
+against 86% (benchmarks/bench_gemv.py). The first weight tiles are loaded before the kernel
 waits for the one before (programmatic dependent launch, kernels/pdl.py). The wrapper reads
-only shapes and strides, so it can be captured in a CUDA graph. Definition: `torch.nn.functional.linear`.
+only shapes and strides, so it can be captured in a CUDA graph.
+Definition: `torch.nn.functional.linear`.
 """
 
 from __future__ import annotations

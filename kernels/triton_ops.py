@@ -4,9 +4,9 @@ rotary embedding, SiLU-and-mul.
 Each wrapper has the signature and semantics of the same-named function in
 `kernels/reference.py`, which is its definition in the tests. The wrappers read only shapes,
 strides and dtypes, never tensor values, so they launch without a host sync and can be
-captured in a CUDA graph. On Hopper the decode chain's kernels
-start early and wait for the one before (PDL, kernels/pdl.py). Row offsets are computed in int64: a KV cache or an activation
-can hold more than 2**31 elements. An fp8 KV cache (kernels/fp8_kv.py) is written as
+captured in a CUDA graph. On Hopper the decode chain's kernels start early and wait for the
+one before (PDL, kernels/pdl.py). Row offsets are computed in int64: a KV cache or an
+activation can hold more than 2**31 elements. An fp8 KV cache (kernels/fp8_kv.py) is written as
 value / scale, divided with IEEE rounding and saturated, so the stored bytes equal torch's.
 """
 
@@ -185,6 +185,7 @@ def fused_add_rms_norm(
     num_rows = x2d.shape[0]
     if num_rows > 0:
         block = triton.next_power_of_2(hidden_size)
+        use_pdl = pdl.enabled(x)
         _fused_add_rms_norm_kernel[(num_rows,)](
             x2d,
             res2d,
@@ -199,9 +200,9 @@ def fused_add_rms_norm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            PDL=pdl.enabled(x),
+            PDL=use_pdl,
             num_warps=min(max(block // 512, 1), 16),
-            launch_pdl=pdl.enabled(x),
+            launch_pdl=use_pdl,
         )
     new_residual = x if residual is None else new_residual.view(x.shape)
     return out.view(x.shape), new_residual
@@ -368,8 +369,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2d.shape[0] > 0:
         block = min(triton.next_power_of_2(intermediate_size), 1024)
         grid = (x2d.shape[0], triton.cdiv(intermediate_size, block))
+        use_pdl = pdl.enabled(x)
         _silu_and_mul_kernel[grid](
             x2d, out, x2d.stride(0), out.stride(0), intermediate_size, BLOCK=block,
-            PDL=pdl.enabled(x), num_warps=4, launch_pdl=pdl.enabled(x),
+            PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
         )  # fmt: skip
     return out.view(*x.shape[:-1], intermediate_size)

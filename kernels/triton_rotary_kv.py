@@ -124,6 +124,7 @@ def rotary_write_kv_cache(
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1
     if num_tokens == 0:
         return q, k
+    use_pdl = pdl.enabled(q)
     _rotary_write_kv_cache_kernel[(num_tokens,)](
         q, k, v, cos, sin, kv_cache, slot_mapping,
         k_scale if kv_fp8 else cos, v_scale if kv_fp8 else cos,  # any pointer: not read
@@ -135,8 +136,8 @@ def rotary_write_kv_cache(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         KV_FP8=kv_fp8,
-        PDL=pdl.enabled(q),
+        PDL=use_pdl,
         num_warps=4,
-        launch_pdl=pdl.enabled(q),
+        launch_pdl=use_pdl,
     )  # fmt: skip
     return q, k
