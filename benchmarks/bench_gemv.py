@@ -117,14 +117,18 @@ def sweep(bandwidth: float) -> None:
                 qs = [(torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(count)]
             else:
                 qs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(count)]
-            for block_n, block_k, warps, lane_sums in SWEEP_BLOCKS:
-                calls = [
-                    functools.partial(gemv_w8, x, q, scale, None, block_n, block_k, warps, lane_sums=lane_sums)
-                    for q in qs
-                ]
-                seconds = graph_seconds(calls)
-                row = {"shape": name, "fmt": fmt, "blocks": f"{block_n}x{block_k}", "warps": warps, "lane_sums": lane_sums}
-                print(json.dumps(row | {"us": round(seconds * 1e6, 2), "of_copy": round(n * k / seconds / bandwidth, 3)}))
+            # gate_up also SiLU-fused, as decode runs it: BLOCK_N there counts outputs, half the tile's rows.
+            for silu in (False, True) if name.endswith("gate_up") else (False,):
+                for block_n, block_k, warps, lane_sums in SWEEP_BLOCKS:
+                    calls = [
+                        functools.partial(gemv_w8, x, q, scale, None, block_n // (1 + silu), block_k, warps,
+                                          silu_mul=silu, lane_sums=lane_sums)
+                        for q in qs
+                    ]
+                    seconds = graph_seconds(calls)
+                    row = {"shape": name, "fmt": fmt, "silu_mul": silu, "blocks": f"{block_n}x{block_k}", "warps": warps,
+                           "lane_sums": lane_sums}
+                    print(json.dumps(row | {"us": round(seconds * 1e6, 2), "of_copy": round(n * k / seconds / bandwidth, 3)}))
             del qs
 
 

@@ -2,6 +2,7 @@
 where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same run.
 
     PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput] [--pdl off,on]
+        [--lane-sums off,on]
 
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
 (time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs) and offline
@@ -9,7 +10,9 @@ throughput (128 prompts of 512 random tokens, 128 generated each, all submitted 
 Weights are random (no checkpoints can be downloaded here); speed does not depend on them.
 `--pdl off,on` repeats the batch-1 runs with programmatic dependent launch off and on
 (kernels/pdl.py; the ratios are against the bf16 of the same setting) and checks that both
-settings give the same greedy tokens.
+settings give the same greedy tokens. `--lane-sums off,on` does the same for the 1-byte
+GEMV's per-thread partial sums (kernels/triton_gemv.LANE_SUMS; bf16 does not use that
+GEMV, so it runs once per PDL setting).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
 from engine import LLM, SamplingParams
 from engine.errors import EngineError
-from kernels import pdl
+from kernels import pdl, triton_gemv
 
 PRESET = "llama-3.1-8b"
 RESULTS: list[dict[str, Any]] = []
@@ -78,28 +81,37 @@ def main() -> None:
     parser.add_argument("--methods", default="bf16,fp8,int8,gptq")
     parser.add_argument("--no-throughput", action="store_true", help="batch-1 ITL only (a shorter run)")
     parser.add_argument("--pdl", default="on", help="on, off, or off,on: programmatic dependent launch")
+    parser.add_argument("--lane-sums", default="off" if not triton_gemv.LANE_SUMS else "on",
+                        help="on, off, or off,on: the 1-byte GEMV's per-thread partial sums")
     args = parser.parse_args()
     copy_bw, _ = roofline()
     _, bf16_bytes = num_params(PRESET)
     record(bench="roofline_bf16_itl", model=PRESET, ms=round(bf16_bytes / copy_bw * 1e3, 3))
     tokens: dict[tuple[str, str], list[int]] = {}
-    for setting in args.pdl.split(","):
-        pdl.ENABLED = setting == "on"
-        base_itl = None
-        for method in args.methods.split(","):
-            try:
-                itl, tokens[method, setting] = batch1_itl(method)
-            except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
-                record(bench="skipped", method=method, reason=str(e))
-                continue
-            base_itl = itl if method == "bf16" else base_itl
-            ratio = round(itl / base_itl, 3) if base_itl else None
-            same = {s: tokens[method, s] == tokens[method, setting] for m, s in tokens if m == method and s != setting}
-            record(bench="batch1_itl", model=PRESET, method=method, pdl=setting, ms=round(itl * 1e3, 3),
-                   vs_bf16=ratio, same_tokens_as=same)
-            if not args.no_throughput:
-                record(bench="throughput", model=PRESET, method=method, pdl=setting, num_prompts=128,
-                       input_len=512, output_len=128, tok_s=round(throughput(method)))
+    bf16_itl: dict[str, float] = {}
+    for pdl_setting in args.pdl.split(","):
+        for lane_setting in args.lane_sums.split(","):
+            pdl.ENABLED = pdl_setting == "on"
+            triton_gemv.LANE_SUMS = lane_setting == "on"
+            setting = f"pdl {pdl_setting}, lane sums {lane_setting}"
+            for method in args.methods.split(","):
+                if method == "bf16" and pdl_setting in bf16_itl:
+                    continue  # lane sums are the 1-byte GEMV's: bf16 is the same run
+                try:
+                    itl, tokens[method, setting] = batch1_itl(method)
+                except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
+                    record(bench="skipped", method=method, reason=str(e))
+                    continue
+                if method == "bf16":
+                    bf16_itl[pdl_setting] = itl
+                base_itl = bf16_itl.get(pdl_setting)
+                ratio = round(itl / base_itl, 3) if base_itl else None
+                same = {s: tokens[method, s] == tokens[method, setting] for m, s in tokens if m == method and s != setting}
+                record(bench="batch1_itl", model=PRESET, method=method, pdl=pdl_setting, lane_sums=lane_setting,
+                       ms=round(itl * 1e3, 3), vs_bf16=ratio, same_tokens_as=same)
+                if not args.no_throughput:
+                    record(bench="throughput", model=PRESET, method=method, pdl=pdl_setting, lane_sums=lane_setting,
+                           num_prompts=128, input_len=512, output_len=128, tok_s=round(throughput(method)))
     print("RESULTS " + json.dumps(RESULTS))
 
 

@@ -35,9 +35,9 @@ GEMV_MAX_ROWS = 4
 # Row sums per tile (False) reduce each [BN, BK] tile across the program's warps through
 # shared memory, with barriers, every iteration: 277 SASS instructions per 64 weights per
 # thread in the fp8 loop. Per-thread partial sums kept across tiles (True) make it 219 with
-# no barrier in the loop (benchmarks/kernel_sass.py, compiled for sm_90 without a GPU). Not
-# yet timed on the H200 (docs/benchmarks.md): off until it is.
-LANE_SUMS = False
+# no barrier in the loop (benchmarks/kernel_sass.py, compiled for sm_90 without a GPU), and
+# the llama-3.1-8b batch-1 step 34 us faster on fp8, 53 on int8 (docs/benchmarks.md).
+LANE_SUMS = True
 
 
 @triton.jit
