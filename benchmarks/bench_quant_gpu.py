@@ -2,7 +2,7 @@
 where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same run.
 
     PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput] [--pdl off,on]
-        [--lane-sums off,on]
+        [--lane-sums off,on] [--decode-rotary off,on]
 
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
 (time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs) and offline
@@ -12,21 +12,26 @@ Weights are random (no checkpoints can be downloaded here); speed does not depen
 (kernels/pdl.py; the ratios are against the bf16 of the same setting) and checks that both
 settings give the same greedy tokens. `--lane-sums off,on` does the same for the 1-byte
 GEMV's per-thread partial sums (kernels/triton_gemv.LANE_SUMS; bf16 does not use that
-GEMV, so it runs once per PDL setting).
+GEMV, so it runs once per PDL setting). `--decode-rotary off,on`: the decode attention
+rotating and caching the new token itself (kernels.rotary_paged_attention) against the
+separate rotary + KV write launch before it.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 from typing import Any
 
 import torch
 
+import kernels
 from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
 from engine import LLM, SamplingParams
 from engine.errors import EngineError
+from engine.layers import attention
 from kernels import pdl, triton_gemv
 
 PRESET = "llama-3.1-8b"
@@ -70,6 +75,12 @@ def throughput(method: str, num: int = 128, in_len: int = 512, out_len: int = 12
     return num * out_len / t
 
 
+def _rotary_write_then_attend(q, k, v, cos, sin, kv_cache, meta, scale, k_scale=None, v_scale=None):  # type: ignore[no-untyped-def]
+    """`--decode-rotary off`: the rotary + KV write launch, then the attention, for decode too."""
+    q, k = kernels.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    return kernels.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
+
+
 def _free(llm: LLM) -> None:
     del llm
     gc.collect()
@@ -81,6 +92,8 @@ def main() -> None:
     parser.add_argument("--methods", default="bf16,fp8,int8,gptq")
     parser.add_argument("--no-throughput", action="store_true", help="batch-1 ITL only (a shorter run)")
     parser.add_argument("--pdl", default="on", help="on, off, or off,on: programmatic dependent launch")
+    parser.add_argument("--decode-rotary", default="on",
+                        help="on, off, or off,on: decode attention rotates and caches the new token itself")
     parser.add_argument("--lane-sums", default="off" if not triton_gemv.LANE_SUMS else "on",
                         help="on, off, or off,on: the 1-byte GEMV's per-thread partial sums")
     args = parser.parse_args()
@@ -88,30 +101,33 @@ def main() -> None:
     _, bf16_bytes = num_params(PRESET)
     record(bench="roofline_bf16_itl", model=PRESET, ms=round(bf16_bytes / copy_bw * 1e3, 3))
     tokens: dict[tuple[str, str], list[int]] = {}
-    bf16_itl: dict[str, float] = {}
-    for pdl_setting in args.pdl.split(","):
-        for lane_setting in args.lane_sums.split(","):
-            pdl.ENABLED = pdl_setting == "on"
-            triton_gemv.LANE_SUMS = lane_setting == "on"
-            setting = f"pdl {pdl_setting}, lane sums {lane_setting}"
-            for method in args.methods.split(","):
-                if method == "bf16" and pdl_setting in bf16_itl:
-                    continue  # lane sums are the 1-byte GEMV's: bf16 is the same run
-                try:
-                    itl, tokens[method, setting] = batch1_itl(method)
-                except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
-                    record(bench="skipped", method=method, reason=str(e))
-                    continue
-                if method == "bf16":
-                    bf16_itl[pdl_setting] = itl
-                base_itl = bf16_itl.get(pdl_setting)
-                ratio = round(itl / base_itl, 3) if base_itl else None
-                same = {s: tokens[method, s] == tokens[method, setting] for m, s in tokens if m == method and s != setting}
-                record(bench="batch1_itl", model=PRESET, method=method, pdl=pdl_setting, lane_sums=lane_setting,
-                       ms=round(itl * 1e3, 3), vs_bf16=ratio, same_tokens_as=same)
-                if not args.no_throughput:
-                    record(bench="throughput", model=PRESET, method=method, pdl=pdl_setting, lane_sums=lane_setting,
-                           num_prompts=128, input_len=512, output_len=128, tok_s=round(throughput(method)))
+    bf16_itl: dict[tuple[str, str], float] = {}
+    settings = itertools.product(args.pdl.split(","), args.decode_rotary.split(","), args.lane_sums.split(","))
+    for pdl_setting, rotary_setting, lane_setting in settings:
+        pdl.ENABLED = pdl_setting == "on"
+        attention.rotary_paged_attention = (
+            kernels.rotary_paged_attention if rotary_setting == "on" else _rotary_write_then_attend
+        )
+        triton_gemv.LANE_SUMS = lane_setting == "on"
+        setting = f"pdl {pdl_setting}, decode rotary {rotary_setting}, lane sums {lane_setting}"
+        for method in args.methods.split(","):
+            if method == "bf16" and (pdl_setting, rotary_setting) in bf16_itl:
+                continue  # lane sums are the 1-byte GEMV's: bf16 is the same run
+            try:
+                itl, tokens[method, setting] = batch1_itl(method)
+            except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
+                record(bench="skipped", method=method, reason=str(e))
+                continue
+            if method == "bf16":
+                bf16_itl[pdl_setting, rotary_setting] = itl
+            base_itl = bf16_itl.get((pdl_setting, rotary_setting))
+            ratio = round(itl / base_itl, 3) if base_itl else None
+            same = {s: tokens[method, s] == tokens[method, setting] for m, s in tokens if m == method and s != setting}
+            record(bench="batch1_itl", model=PRESET, method=method, setting=setting, ms=round(itl * 1e3, 3),
+                   vs_bf16=ratio, same_tokens_as=same)
+            if not args.no_throughput:
+                record(bench="throughput", model=PRESET, method=method, setting=setting, num_prompts=128,
+                       input_len=512, output_len=128, tok_s=round(throughput(method)))
     print("RESULTS " + json.dumps(RESULTS))
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "linear_silu_mul",
     "paged_attention",
     "rotary_embedding",
+    "rotary_paged_attention",
     "rotary_write_kv_cache",
     "silu_and_mul",
     "write_kv_cache",
@@ -57,6 +58,34 @@ def paged_attention(
         query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
         max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
     )
+
+
+def rotary_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rotary_write_kv_cache` of the new tokens, then `paged_attention`: query [T, Hq, D],
+    key and value [T, Hkv, D] not yet rotated, cos / sin [T, D/2] fp32 -> [T, Hq, D]. On CUDA
+    a decode-only batch takes one kernel for all of it (the split-K decode attention rotates
+    and caches the new token itself: kernels/triton_decode_attention.py); on CUDA query and
+    key may be rotated in place (their storage overwritten)."""
+    if query.is_cuda and meta.is_decode_only:
+        from kernels.triton_decode_attention import rotary_decode_attention
+
+        return rotary_decode_attention(
+            query, key, value, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
+            max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    query, key = rotary_write_kv_cache(query, key, value, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    return paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
 
 
 def write_kv_cache(

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8_kv import is_fp8
+from kernels.triton_ops import _to_fp8
 
 _MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) shows
 _MAX_NUM_SPLITS = 64  # bounds the combine kernel's [splits, head_dim] register tile
@@ -49,6 +50,53 @@ _DEFAULT_NUM_SMS = 132  # H100/H200; used when q is not on a CUDA device
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, dims, HEAD_DIM: tl.constexpr):
+    """One token's cos and sin ([D / 2] fp32 each) spread over the head: [1, D_PAD], entry d
+    holding angle d mod D / 2."""
+    half = HEAD_DIM // 2
+    angle = tl.where(dims < half, dims, dims - half)[None, :]
+    ok = (dims < HEAD_DIM)[None, :]
+    return tl.load(cos_ptr + angle, mask=ok, other=0.0), tl.load(sin_ptr + angle, mask=ok, other=0.0)
+
+
+@triton.jit
+def _rotate(ptrs, dims, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate-half rotary of the heads at ptrs ([R, D], D contiguous), as
+    `kernels.reference.rotary_embedding` computes it (fp32, then rounded to x's dtype)."""
+    first = dims < HALF
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptrs + tl.where(first, HALF, -HALF), mask=mask, other=0.0).to(tl.float32)
+    rotated = tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
+    return rotated.to(ptrs.dtype.element_ty)
+
+
+@triton.jit
+def _rotate_and_cache_new_kv(
+    k_ptr, v_ptr, cos, sin, slot_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kv_block, stride_kv_kv, stride_kv_token, dims, write,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """One KV head of the new token (cos, sin: [1, D] from `_cos_sin`): k rotated, then k and
+    v as the cache stores them ([1, D] each, the cache's dtype; fp8 scaled by k_scale /
+    v_scale). `write`: also store them in the token's slot (one program per KV head does)."""
+    ok = (dims < HEAD_DIM)[None, :]
+    k = _rotate(k_ptr + dims[None, :], dims[None, :], cos, sin, ok, HEAD_DIM // 2)
+    v = tl.load(v_ptr + dims[None, :], mask=ok, other=0.0)
+    element_ty = cache_ptr.dtype.element_ty
+    if KV_FP8:
+        k, v = _to_fp8(k, k_scale_ptr, element_ty), _to_fp8(v, v_scale_ptr, element_ty)
+    else:
+        k, v = k.to(element_ty), v.to(element_ty)
+    if write:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if slot >= 0:
+            dst = cache_ptr + (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_token
+            tl.store(dst + dims[None, :], k, mask=ok)
+            tl.store(dst + stride_kv_kv + dims[None, :], v, mask=ok)
+    return k, v
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
@@ -61,8 +109,19 @@ def _decode_split_kernel(
     qk_scale,  # softmax scale * log2(e)
     k_scale_ptr,  # [1] fp32, read when KV_FP8
     v_scale_ptr,
+    k_new_ptr,  # ROTARY: [B, Hkv, D] the new tokens' k, not yet rotated
+    v_new_ptr,  # ROTARY: [B, Hkv, D]
+    cos_ptr,  # ROTARY: [B, D / 2] fp32
+    sin_ptr,
+    slot_mapping_ptr,  # ROTARY: [B], the new tokens' cache slots (-1: not cached)
     stride_q_seq,
     stride_q_head,
+    stride_k_seq,
+    stride_k_head,
+    stride_v_seq,
+    stride_v_head,
+    stride_cos_seq,
+    stride_sin_seq,
     stride_out_seq,
     stride_out_head,
     stride_kv_block,
@@ -81,6 +140,7 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr,
     PDL: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     pdl.dependent_start(PDL)
     seq = tl.program_id(0)
@@ -102,7 +162,19 @@ def _decode_split_kernel(
     row_ok = rows < GROUP
     dim_ok = dims < HEAD_DIM
     q_ptrs = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [G, D]
+    if ROTARY:
+        # The new token: rotate q and k (in registers), and the first split caches k and v.
+        cos, sin = _cos_sin(cos_ptr + seq * stride_cos_seq, sin_ptr + seq * stride_sin_seq, dims, HEAD_DIM)
+        k_new, v_new = _rotate_and_cache_new_kv(
+            k_new_ptr + seq * stride_k_seq + kv_head * stride_k_head,
+            v_new_ptr + seq * stride_v_seq + kv_head * stride_v_head,
+            cos, sin, slot_mapping_ptr + seq, kv_ptr + kv_head * stride_kv_head, k_scale_ptr, v_scale_ptr,
+            stride_kv_block, stride_kv_kv, stride_kv_token, dims, split == 0,
+            HEAD_DIM, BLOCK_SIZE, KV_FP8,
+        )  # fmt: skip
+        q = _rotate(q_ptrs, dims[None, :], cos, sin, row_ok[:, None] & dim_ok[None, :], HEAD_DIM // 2)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [G, D]
     if FP16_DOT:  # saturate rather than overflow fp16's range (q is bf16 or fp32 here)
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
@@ -111,9 +183,14 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     kv_head_ptr = kv_ptr + kv_head * stride_kv_head
     table_ptr = block_tables_ptr + seq * stride_table_seq
-    for tile_start in range(split_start, split_end, TILE_N):
+    # ROTARY: the new token (position seq_len - 1) is not read from the cache, where the first
+    # split is writing it, but taken from registers after the loop.
+    cached_end = split_end
+    if ROTARY:
+        cached_end = tl.minimum(split_end, seq_len - 1)
+    for tile_start in range(split_start, cached_end, TILE_N):
         tokens = tile_start + tl.arange(0, TILE_N)
-        token_ok = tokens < split_end
+        token_ok = tokens < cached_end
         block_ids = tl.load(table_ptr + tokens // BLOCK_SIZE, mask=token_ok, other=0)
         token_offs = (
             block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_token
@@ -134,6 +211,19 @@ def _decode_split_kernel(
         v = tl.load(k_ptrs + stride_kv_kv, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         max_i = max_new
+    if ROTARY:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if (split_start <= seq_len - 1) & (seq_len - 1 < split_end):
+            # One more online-softmax step, for the new token, with the values the cache holds
+            # (rounded to its dtype, or fp8) in the dtype the tiles above are read in.
+            k_row = k_new.to(q.dtype).to(tl.float32)  # [1, D]
+            scores = tl.sum(q.to(tl.float32) * k_row, 1) * qk_scale  # [G]
+            max_new = tl.maximum(max_i, scores)
+            alpha = tl.exp2(max_i - max_new)
+            p = tl.exp2(scores - max_new)
+            sum_i = sum_i * alpha + p
+            v_row = v_new.to(q.dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v_row
+            max_i = max_new
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -221,6 +311,61 @@ def decode_attention(
     only steers the automatic `num_splits`; for CUDA graphs pass the same value at capture
     and replay.
     """
+    return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, None)
+
+
+def rotary_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kernels.rotary_write_kv_cache` of the new tokens, then `decode_attention`, with no
+    launch between them: q [B, Hq, D], k and v [B, Hkv, D] (not rotated; views of the qkv
+    projection do), cos / sin [B, D / 2] fp32, slot_mapping [B]: the slot of each sequence's
+    new token, which is its position seq_lens[b] - 1 (-1 with seq_lens[b] = 0: a padding
+    row). Every split rotates q and the new k in registers and attends over the cached
+    tokens plus the new one; the first split of each KV head writes the new k and v into
+    the cache, with the roundings of `rotary_write_kv_cache`. q, k and v are not modified.
+    """
+    num_tokens, _, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), (k.shape, v.shape, q.shape)
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v need contiguous heads"
+    assert head_dim % 2 == 0, f"head_dim {head_dim} must be even for rotate-half rotary"
+    assert slot_mapping.shape == (num_tokens,) and seq_lens.shape == (num_tokens,), "one new token per sequence"
+    cos = cos.reshape(num_tokens, head_dim // 2)
+    sin = sin.reshape(num_tokens, head_dim // 2)
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1
+    return _decode(
+        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale,
+        (k, v, cos, sin, slot_mapping),
+    )  # fmt: skip
+
+
+def _decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+    max_seq_len: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """new_kv: (k, v, cos, sin, slot_mapping) of `rotary_decode_attention`, or None."""
     batch_size, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -246,11 +391,14 @@ def decode_attention(
         part_acc = q.new_empty((*part_max.shape, head_dim_pad), dtype=torch.float32)
     tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
     use_pdl = pdl.enabled(q)
+    k_new, v_new, cos, sin, slot_mapping = new_kv if new_kv is not None else (q, q, q, q, seq_lens)  # unread
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * math.log2(math.e),
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # any pointer: not read
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_new, v_new, cos, sin, slot_mapping,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         GROUP=group,
@@ -265,6 +413,7 @@ def decode_attention(
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
         PDL=use_pdl,
+        ROTARY=new_kv is not None,
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,

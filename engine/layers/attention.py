@@ -13,7 +13,7 @@ from torch import nn
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope
-from kernels import AttentionMetadata, paged_attention, rotary_write_kv_cache
+from kernels import AttentionMetadata, rotary_paged_attention
 
 
 class Attention(nn.Module):
@@ -60,11 +60,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        # One launch on CUDA: rotate q, k (in place) and write k, v into the cache.
-        q, k = rotary_write_kv_cache(
-            q, k, v, rope.cos, rope.sin, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale
-        )
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)  # [T, Hq, D]
+        # Rotate q and k, write k and v into the cache, attend. On CUDA a prefill rotates and
+        # writes in one launch; decode attention rotates and writes the new token itself.
+        o = rotary_paged_attention(
+            q, k, v, rope.cos, rope.sin, kv_cache, meta, self.scale, self.k_scale, self.v_scale
+        )  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
