@@ -2,27 +2,32 @@
 where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same run.
 
     PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput] [--pdl off,on]
-        [--lane-sums off,on] [--decode-rotary off,on]
+        [--lane-sums off,on] [--decode-rotary off,on] [--vary MODULE.ATTR=A,B] [--rounds 3]
 
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
-(time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs) and offline
+(time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs; the median of
+`--rounds`) and offline
 throughput (128 prompts of 512 random tokens, 128 generated each, all submitted at once).
 Weights are random (no checkpoints can be downloaded here); speed does not depend on them.
 `--pdl off,on` repeats the batch-1 runs with programmatic dependent launch off and on
 (kernels/pdl.py; the ratios are against the bf16 of the same setting) and checks that both
 settings give the same greedy tokens. `--lane-sums off,on` does the same for the 1-byte
-GEMV's per-thread partial sums (kernels/triton_gemv.LANE_SUMS; bf16 does not use that
-GEMV, so it runs once per PDL setting). `--decode-rotary off,on`: the decode attention
-rotating and caching the new token itself (kernels.rotary_paged_attention) against the
-separate rotary + KV write launch before it.
+GEMV's per-thread partial sums (kernels/triton_gemv.LANE_SUMS), `--decode-rotary off,on`
+for the decode attention rotating and caching the new token itself
+(kernels.rotary_paged_attention) against the separate rotary + KV write launch before it,
+and `--vary MODULE.ATTR=A,B` for any module-level switch read at graph capture. Every
+combination runs every method.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
+import importlib
 import itertools
 import json
+import statistics
 from typing import Any
 
 import torch
@@ -50,14 +55,17 @@ def make_llm(method: str, max_num_seqs: int, num_blocks: int, max_model_len: int
                quantization=None if method == "bf16" else method)
 
 
-def batch1_itl(method: str) -> tuple[float, list[int]]:
-    """(inter-token latency in s, the first 64 greedy tokens)."""
+def batch1_itl(method: str, rounds: int = 3) -> tuple[float, list[int]]:
+    """(inter-token latency in s, the median of `rounds` timings; the first 64 greedy tokens)."""
     llm = make_llm(method, max_num_seqs=8, num_blocks=1024, max_model_len=4096, batched=2048)
     p = prompts(1, 128, llm.core.vocab_size)
     ours_generate(llm, p, 8)
     n = 256
-    ttft = ours_generate(llm, p, 1)
-    itl = (ours_generate(llm, p, n) - ttft) / (n - 1)
+    itls = []
+    for _ in range(rounds):
+        ttft = ours_generate(llm, p, 1)
+        itls.append((ours_generate(llm, p, n) - ttft) / (n - 1))
+    itl = statistics.median(itls)
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     tokens = list(llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids)
     _free(llm)
@@ -73,6 +81,21 @@ def throughput(method: str, num: int = 128, in_len: int = 512, out_len: int = 12
     t = ours_generate(llm, batch, out_len)
     _free(llm)
     return num * out_len / t
+
+
+def _apply(name: str, value: str) -> None:
+    """One setting: pdl / decode-rotary / lane-sums on|off, or MODULE.ATTR (a Python literal)."""
+    if name == "pdl":
+        pdl.ENABLED = value == "on"
+    elif name == "decode-rotary":
+        attention.rotary_paged_attention = (
+            kernels.rotary_paged_attention if value == "on" else _rotary_write_then_attend
+        )
+    elif name == "lane-sums":
+        triton_gemv.LANE_SUMS = value == "on"
+    else:
+        module, attr = name.rsplit(".", 1)
+        setattr(importlib.import_module(module), attr, ast.literal_eval(value))
 
 
 def _rotary_write_then_attend(q, k, v, cos, sin, kv_cache, meta, scale, k_scale=None, v_scale=None):  # type: ignore[no-untyped-def]
@@ -92,6 +115,9 @@ def main() -> None:
     parser.add_argument("--methods", default="bf16,fp8,int8,gptq")
     parser.add_argument("--no-throughput", action="store_true", help="batch-1 ITL only (a shorter run)")
     parser.add_argument("--pdl", default="on", help="on, off, or off,on: programmatic dependent launch")
+    parser.add_argument("--rounds", type=int, default=3, help="batch-1 timings per setting; the median counts")
+    parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
+                        help="also compare these values of a module attribute, e.g. kernels.pdl.SILU_MUL_LATE_TRIGGER=False,True")
     parser.add_argument("--decode-rotary", default="on",
                         help="on, off, or off,on: decode attention rotates and caches the new token itself")
     parser.add_argument("--lane-sums", default="off" if not triton_gemv.LANE_SUMS else "on",
@@ -100,27 +126,23 @@ def main() -> None:
     copy_bw, _ = roofline()
     _, bf16_bytes = num_params(PRESET)
     record(bench="roofline_bf16_itl", model=PRESET, ms=round(bf16_bytes / copy_bw * 1e3, 3))
+    axes: list[tuple[str, list[str]]] = [
+        ("pdl", args.pdl.split(",")), ("decode-rotary", args.decode_rotary.split(",")),
+        ("lane-sums", args.lane_sums.split(",")),
+    ] + [(name, values.split(",")) for name, values in (v.split("=", 1) for v in args.vary)]  # fmt: skip
     tokens: dict[tuple[str, str], list[int]] = {}
-    bf16_itl: dict[tuple[str, str], float] = {}
-    settings = itertools.product(args.pdl.split(","), args.decode_rotary.split(","), args.lane_sums.split(","))
-    for pdl_setting, rotary_setting, lane_setting in settings:
-        pdl.ENABLED = pdl_setting == "on"
-        attention.rotary_paged_attention = (
-            kernels.rotary_paged_attention if rotary_setting == "on" else _rotary_write_then_attend
-        )
-        triton_gemv.LANE_SUMS = lane_setting == "on"
-        setting = f"pdl {pdl_setting}, decode rotary {rotary_setting}, lane sums {lane_setting}"
+    for values in itertools.product(*(v for _, v in axes)):
+        for (name, _), value in zip(axes, values, strict=True):
+            _apply(name, value)
+        setting = ", ".join(f"{name} {value}" for (name, _), value in zip(axes, values, strict=True))
+        base_itl = None
         for method in args.methods.split(","):
-            if method == "bf16" and (pdl_setting, rotary_setting) in bf16_itl:
-                continue  # lane sums are the 1-byte GEMV's: bf16 is the same run
             try:
-                itl, tokens[method, setting] = batch1_itl(method)
+                itl, tokens[method, setting] = batch1_itl(method, args.rounds)
             except EngineError as e:  # e.g. an INT4 method that cannot build dummy weights yet
                 record(bench="skipped", method=method, reason=str(e))
                 continue
-            if method == "bf16":
-                bf16_itl[pdl_setting, rotary_setting] = itl
-            base_itl = bf16_itl.get((pdl_setting, rotary_setting))
+            base_itl = itl if method == "bf16" else base_itl
             ratio = round(itl / base_itl, 3) if base_itl else None
             same = {s: tokens[method, s] == tokens[method, setting] for m, s in tokens if m == method and s != setting}
             record(bench="batch1_itl", model=PRESET, method=method, setting=setting, ms=round(itl * 1e3, 3),

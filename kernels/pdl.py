@@ -38,6 +38,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("VLLM_CLUSTER_PDL", "1") != "0"
+# The SiLU-fused gate_up GEMV lets the down GEMV launch once it has read its weights (True),
+# or not at all (False: down launches as gate_up's last programs exit).
+SILU_MUL_LATE_TRIGGER = False
 
 
 @functools.cache

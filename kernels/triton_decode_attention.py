@@ -29,11 +29,15 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8_kv import is_fp8
+from kernels.semaphores import semaphores
 from kernels.triton_ops import _to_fp8
 
 _MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) shows
 _MAX_NUM_SPLITS = 64  # bounds the combine kernel's [splits, head_dim] register tile
 _PROGRAMS_PER_SM = 4  # resident programs per SM to hide HBM latency
+# The last split of each KV head to finish combines the splits (a semaphore per (sequence,
+# KV head): kernels/semaphores.py), instead of a second launch. False: the second launch.
+FUSED_COMBINE = True
 
 
 def _tile_config(head_dim_pad: int, kv_fp8: bool, q_dtype: torch.dtype) -> tuple[int, int, bool]:
@@ -114,6 +118,7 @@ def _decode_split_kernel(
     cos_ptr,  # ROTARY: [B, D / 2] fp32
     sin_ptr,
     slot_mapping_ptr,  # ROTARY: [B], the new tokens' cache slots (-1: not cached)
+    lock_ptr,  # COMBINE: [B * Hkv] int32 semaphores, 0 between launches (kernels/semaphores.py)
     stride_q_seq,
     stride_q_head,
     stride_k_seq,
@@ -141,6 +146,8 @@ def _decode_split_kernel(
     FP16_DOT: tl.constexpr,
     PDL: tl.constexpr,
     ROTARY: tl.constexpr,
+    COMBINE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     pdl.dependent_start(PDL)
     seq = tl.program_id(0)
@@ -238,6 +245,54 @@ def _decode_split_kernel(
         tl.store(part_sum_ptr + part, sum_i, mask=row_ok)
         acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :]
         tl.store(acc_ptrs, acc, mask=row_ok[:, None])
+        if COMBINE:
+            tl.debug_barrier()  # every thread's partial is written before the semaphore counts it
+            lock = lock_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(lock, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split in
+                _combine_group(
+                    out_ptr + seq * stride_out_seq + kv_head * GROUP * stride_out_head, part_max_ptr,
+                    part_sum_ptr, part_acc_ptr, (seq * tl.num_programs(1) + kv_head) * GROUP, stride_out_head,
+                    seq_len, split_len, GROUP, HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS, SPLITS_PAD,
+                )  # fmt: skip
+                tl.atomic_xchg(lock, 0, sem="relaxed")
+
+
+@triton.jit
+def _combine_group(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, stride_out_head, seq_len, split_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    """`_combine_splits_kernel` for one KV head's GROUP query heads (partials from row
+    first_part; out_ptr at the first head's output), run by the last of its splits to
+    finish. Partials are read from L2 (.cg: other SMs wrote them); acc rows only of splits
+    that saw tokens (the others weigh 0), 8 splits a step to bound the registers."""
+    GROUP_P2: tl.constexpr = triton.next_power_of_2(GROUP)
+    CHUNK: tl.constexpr = min(8, SPLITS_PAD)
+    rows = tl.arange(0, GROUP_P2)
+    row_ok = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    splits = tl.arange(0, SPLITS_PAD)
+    part = (first_part + rows)[:, None] * NUM_SPLITS + splits[None, :]  # [G, S]
+    ok = row_ok[:, None] & (splits < NUM_SPLITS)[None, :]
+    part_max = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    part_sum = tl.load(part_sum_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+    global_max = tl.max(part_max, 1)
+    global_max = tl.where(global_max > float("-inf"), global_max, 0.0)  # all splits empty
+    total = tl.sum(part_sum * tl.exp2(part_max - global_max[:, None]), 1)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_PAD], tl.float32)
+    for first in tl.static_range(0, NUM_SPLITS, CHUNK):
+        chunk = first + tl.arange(0, CHUNK)
+        chunk_part = (first_part + rows)[:, None] * NUM_SPLITS + chunk[None, :]  # [G, C]
+        active = row_ok[:, None] & ((chunk < NUM_SPLITS) & (chunk * split_len < seq_len))[None, :]
+        chunk_max = tl.load(part_max_ptr + chunk_part, mask=active, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(chunk_max - global_max[:, None])  # [G, C]
+        acc_ptrs = part_acc_ptr + chunk_part[:, :, None] * HEAD_DIM_PAD + dims[None, None, :]
+        part_acc = tl.load(acc_ptrs, mask=active[:, :, None], other=0.0, cache_modifier=".cg")  # [G, C, D]
+        acc += tl.sum(part_acc * weight[:, :, None], 1)
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_out_head + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -392,11 +447,13 @@ def _decode(
     tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
     use_pdl = pdl.enabled(q)
     k_new, v_new, cos, sin, slot_mapping = new_kv if new_kv is not None else (q, q, q, q, seq_lens)  # unread
+    combine = num_splits > 1 and FUSED_COMBINE
+    locks = semaphores("decode_attention", q.device, batch_size * num_kv_heads) if combine else seq_lens
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * math.log2(math.e),
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # any pointer: not read
-        k_new, v_new, cos, sin, slot_mapping,
+        k_new, v_new, cos, sin, slot_mapping, locks,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -414,11 +471,13 @@ def _decode(
         FP16_DOT=fp16_dot,
         PDL=use_pdl,
         ROTARY=new_kv is not None,
+        COMBINE=combine,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not combine:
         _combine_splits_kernel[(batch_size, num_heads)](
             out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,

@@ -109,7 +109,7 @@ def _gemv_w8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr,
-    LANE_SUMS: tl.constexpr,
+    LANE_SUMS: tl.constexpr, LATE_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """SILU_MUL: w is [gate | up] ([2N, K]); the program sums gate rows n and up rows N + n
     and writes silu(gate) * up ([M, N]). LANE_SUMS: keep per-thread partial sums across tiles
@@ -127,6 +127,8 @@ def _gemv_w8_kernel(
     for k0 in range(BLOCK_K, K, BLOCK_K):
         bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")
         acc += _tile_sum(bits, x_row, k0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
+    if PDL and LATE_TRIGGER:  # pdl.SILU_MUL_LATE_TRIGGER
+        gdc_launch_dependents()
     if LANE_SUMS:
         acc = tl.sum(acc, axis=1)
     y = acc * tl.load(scale_ptr + w_idx, mask=mask_w, other=0.0)
@@ -181,6 +183,7 @@ def gemv_w8(
         FP8=qweight.dtype == torch.float8_e4m3fn, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, SILU_MUL=silu_mul,
         LANE_SUMS=(LANE_SUMS if lane_sums is None else lane_sums) and block_k >= 16,
+        LATE_TRIGGER=silu_mul and pdl.SILU_MUL_LATE_TRIGGER,
         num_warps=num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

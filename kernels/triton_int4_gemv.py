@@ -11,9 +11,7 @@ Programs are (row of x, BLOCK_N outputs, one of SPLIT_K ranges of K tiles). Each
 its fp32 partial sums into a workspace and counts itself in on the semaphore of its
 (row, N block); the last to arrive adds the partials and the bias, writes y in x's dtype
 and sets the semaphore back to 0. So a linear is one launch, with no zeroed buffer and no
-cast kernel. The semaphores live for the process, one set per device, all 0 between
-launches: a CUDA graph replays the kernel as is. Two launches must not run at once on two
-streams of one device (they would share semaphores); the engine runs one stream.
+cast kernel (semaphores: kernels/semaphores.py, shared with kernels/triton_int4_rows.py).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.semaphores import semaphores
 from kernels.triton_gemv import GEMV_MAX_ROWS
 
 # 2^23: 0x4B000000 | q read as fp32 is _MAGIC + q for q < 2^23.
@@ -189,7 +188,7 @@ def gemv_int4(
     workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     args = (
         x, qweight, qzeros, scales, bias if bias is not None else scales, workspace,
-        _semaphores(x.device, m * grid[1]), y, m, n, k, x.stride(0), y.stride(0), group_size,
+        semaphores("int4_gemv", x.device, m * grid[1]), y, m, n, k, x.stride(0), y.stride(0), group_size,
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
@@ -201,19 +200,3 @@ def gemv_int4(
         assert zero_offset == 0, "AWQ stores zeros as they are"
         _awq_gemv_kernel[grid](*args, **meta)
     return y
-
-
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-# Sets replaced by a larger one stay alive: CUDA graphs captured earlier still point at them.
-_RETIRED: list[torch.Tensor] = []
-
-
-def _semaphores(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` int32 semaphores on `device`, all 0 between launches."""
-    current = _SEMAPHORES.get(device)
-    if current is None or current.numel() < count:
-        if current is not None:
-            _RETIRED.append(current)
-        current = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
-        _SEMAPHORES[device] = current
-    return current

@@ -30,7 +30,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
 from kernels.int4_rows import ROW_BLOCK
-from kernels.triton_int4_gemv import _semaphores
+from kernels.semaphores import semaphores
 
 # Rows of x above which the weight is dequantized for cuBLAS instead of tl.dot tiles.
 DEQUANT_MIN_ROWS = 128
@@ -166,7 +166,7 @@ def gemv_rows(
     use_pdl = pdl.enabled(x)
     _rows_gemv_kernel[(1, num_blocks_n, config.split_k)](
         x, qweight, qzeros, scales, bias if bias is not None else scales, workspace,
-        _semaphores(x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
+        semaphores("int4_gemv", x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
         GROUP_J=min(8, group_size // 16), NUM_STAGES=config.num_stages, PDL=use_pdl, num_warps=config.num_warps,
         launch_pdl=use_pdl,

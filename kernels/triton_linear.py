@@ -79,6 +79,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     TWO_FIRST: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr = False,
 ):
     if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
         gdc_launch_dependents()
@@ -96,6 +97,8 @@ def _gemv_kernel(
     for k0 in range(BLOCK_K * (2 if TWO_FIRST else 1), K, BLOCK_K):
         w = _load_k(rows, k0 + rk, K, EVEN_K)
         acc += w.to(tl.float32) * _load_k(x_ptr, k0 + rk, K, EVEN_K).to(tl.float32)[None, :]
+    if PDL and LATE_TRIGGER:  # pdl.SILU_MUL_LATE_TRIGGER
+        gdc_launch_dependents()
     y = tl.sum(acc, axis=1)  # [rows]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
@@ -132,6 +135,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_
         PDL=use_pdl,
         TWO_FIRST=TWO_FIRST and k % block_k == 0 and k >= 2 * block_k,
         SILU_MUL=silu_mul,
+        LATE_TRIGGER=silu_mul and pdl.SILU_MUL_LATE_TRIGGER,
         num_warps=4,
         launch_pdl=use_pdl,
     )

@@ -14,7 +14,7 @@ import torch
 from engine.quantization.fp8 import quantize_fp8
 from engine.quantization.int4_pack import pack_awq, pack_gptq, quantize_rtn
 from engine.quantization.int8 import quantize_int8
-from kernels import int4_reference, quant_ops, triton_int4_gemm, triton_int4_gemv
+from kernels import int4_reference, quant_ops, semaphores, triton_int4_gemm
 from kernels.triton_gemv import gemv_w8
 from kernels.triton_int4_gemv import Int4GemvConfig, gemv_int4, pick_gemv_config
 
@@ -204,7 +204,7 @@ def test_semaphores_are_zero_after_a_launch_and_a_rerun_agrees() -> None:
     x = randn(2, 128, seed=5)
     args = (x, t["qweight"], t["qzeros"], t["scales"], None, 32, "gptq", 1, Int4GemvConfig(16, 32, 4))
     first = gemv_int4(*args)
-    assert int(triton_int4_gemv._SEMAPHORES[x.device].count_nonzero()) == 0
+    assert int(semaphores.SETS["int4_gemv", x.device].count_nonzero()) == 0
     assert torch.equal(gemv_int4(*args), first)
 
 

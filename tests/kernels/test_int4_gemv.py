@@ -15,7 +15,7 @@ import torch
 import kernels
 from engine.quantization.int4_linear import Int4Linear, Int4Spec
 from engine.quantization.int4_pack import act_order_g_idx, pack_awq, pack_gptq, quantize_rtn
-from kernels import int4_reference, triton_int4_gemv
+from kernels import int4_reference, semaphores
 from kernels.int4_rows import gptq_to_rows, rows_layout_fits, rows_to_gptq
 from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows, int4_gemm_rows, pick_rows_config
 
@@ -104,7 +104,7 @@ def test_gemv_semaphores_are_zero_after_a_launch_and_a_rerun_agrees() -> None:
     x = randn(1, 512, seed=5)
     args = (x, rows, t["qzeros"], t["scales"], None, 128, 1, RowsGemvConfig(16, 1, 4))
     first = gemv_rows(*args)
-    assert int(triton_int4_gemv._SEMAPHORES[x.device].count_nonzero()) == 0
+    assert int(semaphores.SETS["int4_gemv", x.device].count_nonzero()) == 0
     assert torch.equal(gemv_rows(*args), first)
 
 
