@@ -8,7 +8,15 @@ Semantics are those of `kernels.reference.decode_attention`. Two launches:
      softmax and writes a partial (max, sum, acc) per query head, or, when there is one
      split, the normalised output directly (and launch 2 is skipped).
   2. `_combine_splits_kernel`, grid (B, Hq): rescales the partials to a common max and sums.
+     With FUSED_COMBINE the last split of each KV head to finish does this instead.
 On Hopper both start early and wait for the kernel before (PDL, kernels/pdl.py).
+
+`rotary_decode_attention` (what the engine runs for a decode-only batch on CUDA) folds the
+rotary + KV write launch of the new token into launch 1: every split rotates q and the new
+k in registers, attends over the cached tokens (the new token's slot excluded) and then
+over the new token itself, and the first split of each KV head stores the new k and v in
+the cache. One launch fewer per layer: -56 us a batch-1 step for bf16, -69 for int8 on the
+H200 (docs/benchmarks.md).
 
 Launch shapes depend only on tensor shapes and `max_seq_len` (never on the values in
 `seq_lens`), and nothing syncs with the host, so the call can be captured in a CUDA graph.
@@ -35,9 +43,11 @@ from kernels.triton_ops import _to_fp8
 _MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) shows
 _MAX_NUM_SPLITS = 64  # bounds the combine kernel's [splits, head_dim] register tile
 _PROGRAMS_PER_SM = 4  # resident programs per SM to hide HBM latency
-# The last split of each KV head to finish combines the splits (a semaphore per (sequence,
-# KV head): kernels/semaphores.py), instead of a second launch. False: the second launch.
-FUSED_COMBINE = True
+# True: the last split of each KV head to finish combines the splits (a semaphore per
+# (sequence, KV head): kernels/semaphores.py) instead of a second launch. Measured neutral
+# on the H200's batch-1 step (bf16 -9 / -20 us, fp8 +10 / -2, int8 +18 / +10:
+# docs/benchmarks.md), so the simpler second launch stays the default.
+FUSED_COMBINE = False
 
 
 def _tile_config(head_dim_pad: int, kv_fp8: bool, q_dtype: torch.dtype) -> tuple[int, int, bool]:

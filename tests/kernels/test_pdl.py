@@ -3,7 +3,9 @@
 Every kernel of the chain may start while the one before it is still running and reads
 its inputs only after `gdc_wait()`. A missing or misplaced wait would read stale data: the
 chain below (norm -> bf16 GEMV -> SiLU-and-mul -> fp8 GEMV -> norm -> bf16 qkv GEMV ->
-rotary + KV write -> decode attention (split, combine) -> INT4 GEMV -> ...) is replayed
+rotary + KV write -> decode attention (split, combine) -> INT4 GEMV -> ..., every other
+layer with SiLU-and-mul fused into the GEMV and the rotary + KV write into the attention,
+the split combine in a second launch or in the attention kernel) is replayed
 from one CUDA graph with PDL on and must equal, bit for bit, the same kernels launched
 eagerly with PDL off. Each step's input is the previous step's output, and the residual
 chain makes every stale read visible in the result. Needs compute capability 9.0 (Hopper);
@@ -21,7 +23,7 @@ import torch
 import kernels
 from engine.quantization.fp8 import quantize_fp8
 from engine.quantization.int4_pack import pack_gptq, quantize_rtn
-from kernels import pdl
+from kernels import pdl, triton_decode_attention
 from kernels.int4_rows import gptq_to_rows
 from kernels.quant_ops import fp8_linear
 
@@ -66,16 +68,20 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
         residual = None
         for i in range(num_layers):
             h, residual = kernels.fused_add_rms_norm(x, residual, norm_w[2 * i], 1e-5)
-            act = kernels.silu_and_mul(kernels.linear(h, gate_up[i]))  # bf16 GEMV
+            if i % 2:  # bf16 GEMV with SiLU-and-mul fused (lets down launch after its loop)
+                act = kernels.linear_silu_mul(h, gate_up[i])
+            else:  # bf16 GEMV, then SiLU-and-mul
+                act = kernels.silu_and_mul(kernels.linear(h, gate_up[i]))
             x = fp8_linear(act, down[i][0], down[i][1][None, :], None)  # fp8 GEMV
             h, residual = kernels.fused_add_rms_norm(x, residual, norm_w[2 * i + 1], 1e-5)
             qkv = kernels.linear(h, qkv_proj[i])
             q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-            q, k = kernels.rotary_write_kv_cache(
-                q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM), v.view(1, KV_HEADS, HEAD_DIM),
-                cos, sin, kv_cache, meta.slot_mapping,
-            )  # fmt: skip
-            attn = kernels.paged_attention(q, k, k, kv_cache, meta, HEAD_DIM**-0.5)  # split + combine
+            q, k, v = q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM), v.view(1, KV_HEADS, HEAD_DIM)
+            if i % 2:  # decode attention rotating and caching the new token itself
+                attn = kernels.rotary_paged_attention(q, k, v, cos, sin, kv_cache, meta, HEAD_DIM**-0.5)
+            else:  # rotary + KV write, then decode attention (split + combine)
+                q, k = kernels.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+                attn = kernels.paged_attention(q, k, k, kv_cache, meta, HEAD_DIM**-0.5)
             qweight, qzeros, scales = o_int4[i]
             x = kernels.int4_gemm(attn.view(1, -1), qweight, qzeros, scales, None, 128, "rows", 0)
         return x + residual
@@ -83,7 +89,9 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
-def test_chain_replayed_with_pdl_equals_eager_without(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused_combine", [False, True], ids=["combine-launch", "combine-in-kernel"])
+def test_chain_replayed_with_pdl_equals_eager_without(fused_combine: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_decode_attention, "FUSED_COMBINE", fused_combine)
     run = _chain()
     x = torch.randn(1, D, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda").to(torch.bfloat16)
     monkeypatch.setattr(pdl, "ENABLED", False)
