@@ -34,6 +34,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
 from kernels.fp8_kv import is_fp8
@@ -48,6 +49,12 @@ _PROGRAMS_PER_SM = 4  # resident programs per SM to hide HBM latency
 # on the H200's batch-1 step (bf16 -9 / -20 us, fp8 +10 / -2, int8 +18 / +10:
 # docs/benchmarks.md), so the simpler second launch stays the default.
 FUSED_COMBINE = False
+# rotary_decode_attention: each split loads its first tile of cached K/V (and the sequence's
+# length and block table entries) before waiting for the qkv projection (PDL), so those
+# loads overlap the projection's tail. Safe there (and only there): the cached tokens, the
+# lengths and the block tables are written before the step's first kernel, and the one
+# slot this step writes (the new token's) is not among the tokens read.
+EARLY_FIRST_TILE = True
 
 
 def _tile_config(head_dim_pad: int, kv_fp8: bool, q_dtype: torch.dtype) -> tuple[int, int, bool]:
@@ -111,6 +118,43 @@ def _rotate_and_cache_new_kv(
 
 
 @triton.jit
+def _load_kv_tile(
+    kv_head_ptr, table_ptr, tile_start, end, dims, stride_kv_block, stride_kv_kv, stride_kv_token,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """The K and V rows ([TILE_N, D] each, the cache's dtype) of tokens tile_start + [0,
+    TILE_N) below `end`, each found through the block table, and which tokens those are."""
+    tokens = tile_start + tl.arange(0, TILE_N)
+    token_ok = tokens < end
+    block_ids = tl.load(table_ptr + tokens // BLOCK_SIZE, mask=token_ok, other=0)
+    token_offs = block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_token
+    k_ptrs = kv_head_ptr + token_offs[:, None] + dims[None, :]  # [N, D]
+    if HEAD_DIM == HEAD_DIM_PAD:
+        kv_mask = token_ok[:, None]
+    else:
+        kv_mask = token_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(k_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
+    return k, v, token_ok
+
+
+@triton.jit
+def _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of the GROUP query heads over a tile holding at least one
+    valid token; k and v are read in q's dtype. Returns the new (max, sum, acc)."""
+    k = k.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
+    scores = tl.where(token_ok[None, :], scores, float("-inf"))
+    max_new = tl.maximum(max_i, tl.max(scores, 1))  # finite: the tile has a valid token
+    alpha = tl.exp2(max_i - max_new)
+    p = tl.exp2(scores - max_new[:, None])
+    sum_i = sum_i * alpha + tl.sum(p, 1)
+    v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return max_new, sum_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     kv_ptr,  # [num_blocks, 2, block_size, Hkv, D]
@@ -158,13 +202,16 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     COMBINE: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    EARLY_TILE: tl.constexpr,
 ):
-    pdl.dependent_start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if EARLY_TILE:  # the first tile's loads go out before the wait (see the module docstring)
+        if PDL:
+            gdc_launch_dependents()
+    else:
+        pdl.dependent_start(PDL)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # Splits are whole tiles, so a tile never straddles two splits and, when a tile holds
@@ -172,12 +219,29 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
     split_start = split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
+    # ROTARY: the new token (position seq_len - 1) is not read from the cache, where the first
+    # split is writing it, but taken from registers after the loop.
+    cached_end = split_end
+    if ROTARY:
+        cached_end = tl.minimum(split_end, seq_len - 1)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
     dim_ok = dims < HEAD_DIM
+    kv_head_ptr = kv_ptr + kv_head * stride_kv_head
+    table_ptr = block_tables_ptr + seq * stride_table_seq
+    if EARLY_TILE:
+        k_first, v_first, ok_first = _load_kv_tile(
+            kv_head_ptr, table_ptr, split_start, cached_end, dims, stride_kv_block, stride_kv_kv, stride_kv_token,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N,
+        )  # fmt: skip
+        if PDL:
+            gdc_wait()
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
     q_ptrs = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
     if ROTARY:
         # The new token: rotate q and k (in registers), and the first split caches k and v.
@@ -185,7 +249,7 @@ def _decode_split_kernel(
         k_new, v_new = _rotate_and_cache_new_kv(
             k_new_ptr + seq * stride_k_seq + kv_head * stride_k_head,
             v_new_ptr + seq * stride_v_seq + kv_head * stride_v_head,
-            cos, sin, slot_mapping_ptr + seq, kv_ptr + kv_head * stride_kv_head, k_scale_ptr, v_scale_ptr,
+            cos, sin, slot_mapping_ptr + seq, kv_head_ptr, k_scale_ptr, v_scale_ptr,
             stride_kv_block, stride_kv_kv, stride_kv_token, dims, split == 0,
             HEAD_DIM, BLOCK_SIZE, KV_FP8,
         )  # fmt: skip
@@ -198,36 +262,19 @@ def _decode_split_kernel(
     max_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     sum_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    kv_head_ptr = kv_ptr + kv_head * stride_kv_head
-    table_ptr = block_tables_ptr + seq * stride_table_seq
-    # ROTARY: the new token (position seq_len - 1) is not read from the cache, where the first
-    # split is writing it, but taken from registers after the loop.
-    cached_end = split_end
-    if ROTARY:
-        cached_end = tl.minimum(split_end, seq_len - 1)
-    for tile_start in range(split_start, cached_end, TILE_N):
-        tokens = tile_start + tl.arange(0, TILE_N)
-        token_ok = tokens < cached_end
-        block_ids = tl.load(table_ptr + tokens // BLOCK_SIZE, mask=token_ok, other=0)
-        token_offs = (
-            block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_token
-        )
-        k_ptrs = kv_head_ptr + token_offs[:, None] + dims[None, :]  # [N, D]
-        if HEAD_DIM == HEAD_DIM_PAD:
-            kv_mask = token_ok[:, None]
-        else:
-            kv_mask = token_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
-        scores = tl.where(token_ok[None, :], scores, float("-inf"))
-        # Every tile holds at least one valid token, so max_new is finite.
-        max_new = tl.maximum(max_i, tl.max(scores, 1))
-        alpha = tl.exp2(max_i - max_new)
-        p = tl.exp2(scores - max_new[:, None])
-        sum_i = sum_i * alpha + tl.sum(p, 1)
-        v = tl.load(k_ptrs + stride_kv_kv, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        max_i = max_new
+    loop_start = split_start
+    if EARLY_TILE:
+        if split_start < cached_end:
+            max_i, sum_i, acc = _attend_tile(
+                q, k_first, v_first, ok_first, max_i, sum_i, acc, qk_scale, DOT_PRECISION
+            )
+        loop_start = split_start + TILE_N
+    for tile_start in range(loop_start, cached_end, TILE_N):
+        k, v, token_ok = _load_kv_tile(
+            kv_head_ptr, table_ptr, tile_start, cached_end, dims, stride_kv_block, stride_kv_kv, stride_kv_token,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N,
+        )  # fmt: skip
+        max_i, sum_i, acc = _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION)
     if ROTARY:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if (split_start <= seq_len - 1) & (seq_len - 1 < split_end):
             # One more online-softmax step, for the new token, with the values the cache holds
@@ -483,6 +530,7 @@ def _decode(
         ROTARY=new_kv is not None,
         COMBINE=combine,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
+        EARLY_TILE=new_kv is not None and EARLY_FIRST_TILE,
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,

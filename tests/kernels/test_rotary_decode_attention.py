@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import reference, triton_decode_attention
 from kernels.fp8_kv import FP8_KV_DTYPE
 from kernels.metadata import AttentionMetadata
 from kernels.torch_ops import make_plan
@@ -83,9 +83,15 @@ def check(
 SEQ_LENS = [37, 0, 1, 150, 65]
 
 
+@pytest.mark.parametrize("early_tile", [True, False], ids=["first-tile-early", "all-tiles-in-loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_matches_rotary_write_then_decode_attention(num_splits: int, dtype: torch.dtype) -> None:
+def test_matches_rotary_write_then_decode_attention(
+    num_splits: int, dtype: torch.dtype, early_tile: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways of reading the first cached tile (before the PDL wait, peeled off the loop,
+    or in the loop) give the definition's result."""
+    monkeypatch.setattr(triton_decode_attention, "EARLY_FIRST_TILE", early_tile)
     check(SEQ_LENS, 8, 2, 32, 16, dtype, num_splits)
 
 
