@@ -12,16 +12,20 @@ Every kernel of the batch-1 decode chain is launched so. The GEMVs (kernels/trit
 kernels/triton_gemv.py, kernels/triton_int4_rows.py) load their first weight tile before
 `gdc_wait()`; the small kernels between them (fused add + RMS norm, rotary + KV write, the
 two decode-attention kernels, SiLU-and-mul) start with `dependent_start`: they let the next
-kernel launch, then wait. The bf16 and 1-byte GEMVs let theirs launch as they start too,
+kernel launch, then wait. The decode attention that rotates and caches the new token
+itself (kernels/triton_decode_attention.py) loads its first tile of cached K/V before its
+wait, as the GEMVs load weights. The bf16 and 1-byte GEMVs let theirs launch as they start too,
 except the gate_up GEMV with SiLU-and-mul fused, whose successor is the down GEMV: it lets
 down launch only once its own weight loop is done (at its start, down's early weight loads
 competed with gate_up's: int8 +30 us a step), and the INT4 GEMV (gptq +490 us a step when
 it did). So while a GEMV streams, the norm or rotary after it is resident,
 waiting, and the GEMV after that is loading weights while the norm runs.
 
-Correctness never rests on the early start: a kernel reads nothing of its inputs and writes
-nothing before its wait, the wait covers every kernel before it by induction, and a kernel
-launched without PDL ignores both instructions. A kernel launches only once every program
+Correctness never rests on the early start: before its wait a kernel writes nothing and
+reads only what no kernel of the step writes (weights; for the decode attention that
+rotates the new token itself, the sequence lengths, block tables and already-cached
+tokens, all written before the step's first kernel), the wait covers every kernel before
+it by induction, and a kernel launched without PDL ignores both instructions. A kernel launches only once every program
 of the one before has started, so the waiting kernels never hold back one that must finish
 first.
 
