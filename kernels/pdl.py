@@ -22,10 +22,12 @@ it did). So while a GEMV streams, the norm or rotary after it is resident,
 waiting, and the GEMV after that is loading weights while the norm runs.
 
 Correctness never rests on the early start: before its wait a kernel writes nothing and
-reads only what no kernel of the step writes (weights; for the decode attention that
+reads only what no kernel of the chain writes (weights; for the decode attention that
 rotates the new token itself, the sequence lengths, block tables and already-cached
-tokens, all written before the step's first kernel), the wait covers every kernel before
-it by induction, and a kernel launched without PDL ignores both instructions. A kernel launches only once every program
+tokens: host copies, earlier steps, and the graph's int32 copy of the lengths, all
+ordinary launches that finish before the chain's first kernel starts), the wait covers
+every kernel before it by induction, and a kernel launched without PDL ignores both
+instructions. A kernel launches only once every program
 of the one before has started, so the waiting kernels never hold back one that must finish
 first.
 
