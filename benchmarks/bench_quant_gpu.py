@@ -2,7 +2,8 @@
 where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same run.
 
     PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput] [--pdl off,on]
-        [--lane-sums off,on] [--decode-rotary off,on] [--vary MODULE.ATTR=A,B] [--rounds 3]
+        [--lane-sums off,on] [--decode-rotary off,on] [--lm-head cublas,gemv] [--vary MODULE.ATTR=A,B]
+        [--rounds 3]
 
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
 (time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs; the median of
@@ -15,7 +16,8 @@ settings give the same greedy tokens. `--lane-sums off,on` does the same for the
 GEMV's per-thread partial sums (kernels/triton_gemv.LANE_SUMS), `--decode-rotary off,on`
 for the decode attention rotating and caching the new token itself
 (kernels.rotary_paged_attention) against the separate rotary + KV write launch before it,
-and `--vary MODULE.ATTR=A,B` for any module-level switch read at graph capture. Every
+`--lm-head cublas,gemv` for the logits through cuBLAS or the Triton GEMV, and `--vary
+MODULE.ATTR=A,B` for any module-level switch read at graph capture. Every
 combination runs every method.
 """
 
@@ -37,6 +39,7 @@ from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
 from engine import LLM, SamplingParams
 from engine.errors import EngineError
 from engine.layers import attention
+from engine.models.llama import CausalLM
 from kernels import pdl, triton_gemv
 
 PRESET = "llama-3.1-8b"
@@ -93,9 +96,18 @@ def _apply(name: str, value: str) -> None:
         )
     elif name == "lane-sums":
         triton_gemv.LANE_SUMS = value == "on"
+    elif name == "lm-head":  # the Triton GEMV (CausalLM.compute_logits) or cuBLAS (nn.Linear)
+        CausalLM.compute_logits = _COMPUTE_LOGITS if value == "gemv" else _cublas_logits  # type: ignore[method-assign]
     else:
         module, attr = name.rsplit(".", 1)
         setattr(importlib.import_module(module), attr, ast.literal_eval(value))
+
+
+_COMPUTE_LOGITS = CausalLM.compute_logits
+
+
+def _cublas_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    return self.lm_head(hidden)
 
 
 def _rotary_write_then_attend(q, k, v, cos, sin, kv_cache, meta, scale, k_scale=None, v_scale=None):  # type: ignore[no-untyped-def]
@@ -118,6 +130,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="batch-1 timings per setting; the median counts")
     parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
                         help="also compare these values of a module attribute, e.g. kernels.pdl.SILU_MUL_LATE_TRIGGER=False,True")
+    parser.add_argument("--lm-head", default="gemv", help="gemv, cublas, or cublas,gemv: the batch-1 logits")
     parser.add_argument("--decode-rotary", default="on",
                         help="on, off, or off,on: decode attention rotates and caches the new token itself")
     parser.add_argument("--lane-sums", default="off" if not triton_gemv.LANE_SUMS else "on",
@@ -128,7 +141,7 @@ def main() -> None:
     record(bench="roofline_bf16_itl", model=PRESET, ms=round(bf16_bytes / copy_bw * 1e3, 3))
     axes: list[tuple[str, list[str]]] = [
         ("pdl", args.pdl.split(",")), ("decode-rotary", args.decode_rotary.split(",")),
-        ("lane-sums", args.lane_sums.split(",")),
+        ("lane-sums", args.lane_sums.split(",")), ("lm-head", args.lm_head.split(",")),
     ] + [(name, values.split(",")) for name, values in (v.split("=", 1) for v in args.vary)]  # fmt: skip
     tokens: dict[tuple[str, str], list[int]] = {}
     for values in itertools.product(*(v for _, v in axes)):
