@@ -96,8 +96,8 @@ def _apply(name: str, value: str) -> None:
         )
     elif name == "lane-sums":
         triton_gemv.LANE_SUMS = value == "on"
-    elif name == "lm-head":  # the Triton GEMV (CausalLM.compute_logits) or cuBLAS (nn.Linear)
-        CausalLM.compute_logits = _COMPUTE_LOGITS if value == "gemv" else _cublas_logits  # type: ignore[method-assign]
+    elif name == "lm-head":  # cuBLAS (CausalLM.compute_logits: nn.Linear) or the Triton GEMV
+        CausalLM.compute_logits = _COMPUTE_LOGITS if value == "cublas" else _gemv_logits  # type: ignore[method-assign]
     else:
         module, attr = name.rsplit(".", 1)
         setattr(importlib.import_module(module), attr, ast.literal_eval(value))
@@ -106,8 +106,9 @@ def _apply(name: str, value: str) -> None:
 _COMPUTE_LOGITS = CausalLM.compute_logits
 
 
-def _cublas_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    return self.lm_head(hidden)
+def _gemv_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """`--lm-head gemv`: the logits of a batch-1 row through the Triton GEMV."""
+    return kernels.linear(hidden, self.lm_head.weight)
 
 
 def _rotary_write_then_attend(q, k, v, cos, sin, kv_cache, meta, scale, k_scale=None, v_scale=None):  # type: ignore[no-untyped-def]
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="batch-1 timings per setting; the median counts")
     parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
                         help="also compare these values of a module attribute, e.g. kernels.pdl.SILU_MUL_LATE_TRIGGER=False,True")
-    parser.add_argument("--lm-head", default="gemv", help="gemv, cublas, or cublas,gemv: the batch-1 logits")
+    parser.add_argument("--lm-head", default="cublas", help="cublas, gemv, or cublas,gemv: the batch-1 logits")
     parser.add_argument("--decode-rotary", default="on",
                         help="on, off, or off,on: decode attention rotates and caches the new token itself")
     parser.add_argument("--lane-sums", default="off" if not triton_gemv.LANE_SUMS else "on",

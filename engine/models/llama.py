@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-import kernels
 from engine.layers.attention import Attention
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -143,9 +142,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, after_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, nn.Linear):  # a batch-1 row on CUDA takes the Triton GEMV
-            return kernels.linear(hidden, self.lm_head.weight, self.lm_head.bias)
-        return self.lm_head(hidden)  # tensor parallel: ParallelLMHead
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises if one is missing, unknown or misshapen. Tensors of

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import kernels
 from engine.parallel.groups import Group
 from kernels import linear
 
@@ -57,6 +56,6 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits [N, V] on the group's first rank; elsewhere this rank's block only."""
-        local = kernels.linear(hidden, self.weight)  # [N, V / tp]; the Triton GEMV for one row on CUDA
+        local = F.linear(hidden, self.weight)  # [N, V / tp]
         full = self.group.gather_cat(local, dim=-1)
         return local if full is None else full[:, : self.vocab_size]
