@@ -7,16 +7,18 @@ Semantics are those of `kernels.reference.decode_attention`. Two launches:
      blocks (each token finds its block through the block table). It keeps an fp32 online
      softmax and writes a partial (max, sum, acc) per query head, or, when there is one
      split, the normalised output directly (and launch 2 is skipped).
-  2. `_combine_splits_kernel`, grid (B, Hq): rescales the partials to a common max and sums.
-     With FUSED_COMBINE the last split of each KV head to finish does this instead.
+  2. `combine_splits_kernel` (kernels/triton_decode_combine.py), grid (B, Hq): rescales the
+     partials to a common max and sums. With FUSED_COMBINE the last split of each KV head
+     to finish does this instead.
 On Hopper both start early and wait for the kernel before (PDL, kernels/pdl.py).
 
 `rotary_decode_attention` (what the engine runs for a decode-only batch on CUDA) folds the
 rotary + KV write launch of the new token into launch 1: every split rotates q and the new
 k in registers, attends over the cached tokens (the new token's slot excluded) and then
 over the new token itself, and the first split of each KV head stores the new k and v in
-the cache. One launch fewer per layer: -56 us a batch-1 step for bf16, -69 for int8 on the
-H200 (docs/benchmarks.md).
+the cache (the rotary helpers live in kernels/triton_rotary_kv.py). One launch fewer per
+layer: -56 us a batch-1 step for bf16, -69 for int8 on the H200 (docs/benchmarks.md). Its
+splits also load their first tile of cached K/V before the PDL wait (EARLY_FIRST_TILE).
 
 Launch shapes depend only on tensor shapes and `max_seq_len` (never on the values in
 `seq_lens`), and nothing syncs with the host, so the call can be captured in a CUDA graph.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,7 +42,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels import pdl
 from kernels.fp8_kv import is_fp8
 from kernels.semaphores import semaphores
-from kernels.triton_ops import _to_fp8
+from kernels.triton_decode_combine import combine_if_last, combine_splits_kernel
+from kernels.triton_rotary_kv import cos_sin_row, rotate_and_cache_new_kv, rotate_heads
 
 _MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) shows
 _MAX_NUM_SPLITS = 64  # bounds the combine kernel's [splits, head_dim] register tile
@@ -69,54 +73,9 @@ def _tile_config(head_dim_pad: int, kv_fp8: bool, q_dtype: torch.dtype) -> tuple
     if kv_fp8:
         return (128 if head_dim_pad <= 128 else 64), 3, q_dtype != torch.float32
     return (64 if head_dim_pad <= 128 else 32), 2, False
+
+
 _DEFAULT_NUM_SMS = 132  # H100/H200; used when q is not on a CUDA device
-
-
-@triton.jit
-def _cos_sin(cos_ptr, sin_ptr, dims, HEAD_DIM: tl.constexpr):
-    """One token's cos and sin ([D / 2] fp32 each) spread over the head: [1, D_PAD], entry d
-    holding angle d mod D / 2."""
-    half = HEAD_DIM // 2
-    angle = tl.where(dims < half, dims, dims - half)[None, :]
-    ok = (dims < HEAD_DIM)[None, :]
-    return tl.load(cos_ptr + angle, mask=ok, other=0.0), tl.load(sin_ptr + angle, mask=ok, other=0.0)
-
-
-@triton.jit
-def _rotate(ptrs, dims, cos, sin, mask, HALF: tl.constexpr):
-    """Rotate-half rotary of the heads at ptrs ([R, D], D contiguous), as
-    `kernels.reference.rotary_embedding` computes it (fp32, then rounded to x's dtype)."""
-    first = dims < HALF
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(ptrs + tl.where(first, HALF, -HALF), mask=mask, other=0.0).to(tl.float32)
-    rotated = tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
-    return rotated.to(ptrs.dtype.element_ty)
-
-
-@triton.jit
-def _rotate_and_cache_new_kv(
-    k_ptr, v_ptr, cos, sin, slot_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
-    stride_kv_block, stride_kv_kv, stride_kv_token, dims, write,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
-    """One KV head of the new token (cos, sin: [1, D] from `_cos_sin`): k rotated, then k and
-    v as the cache stores them ([1, D] each, the cache's dtype; fp8 scaled by k_scale /
-    v_scale). `write`: also store them in the token's slot (one program per KV head does)."""
-    ok = (dims < HEAD_DIM)[None, :]
-    k = _rotate(k_ptr + dims[None, :], dims[None, :], cos, sin, ok, HEAD_DIM // 2)
-    v = tl.load(v_ptr + dims[None, :], mask=ok, other=0.0)
-    element_ty = cache_ptr.dtype.element_ty
-    if KV_FP8:
-        k, v = _to_fp8(k, k_scale_ptr, element_ty), _to_fp8(v, v_scale_ptr, element_ty)
-    else:
-        k, v = k.to(element_ty), v.to(element_ty)
-    if write:
-        slot = tl.load(slot_ptr).to(tl.int64)
-        if slot >= 0:
-            dst = cache_ptr + (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_token
-            tl.store(dst + dims[None, :], k, mask=ok)
-            tl.store(dst + stride_kv_kv + dims[None, :], v, mask=ok)
-    return k, v
 
 
 @triton.jit
@@ -154,6 +113,20 @@ def _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION: 
     v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return max_new, sum_i, acc
+
+
+@triton.jit
+def _attend_new_token(q, k_new, v_new, max_i, sum_i, acc, qk_scale):
+    """One more online-softmax step, for the new token ([1, D] k and v as the cache holds them:
+    rounded to its dtype, or fp8), read in q's dtype as the tiles are."""
+    k_row = k_new.to(q.dtype).to(tl.float32)
+    scores = tl.sum(q.to(tl.float32) * k_row, 1) * qk_scale  # [G]
+    max_new = tl.maximum(max_i, scores)
+    alpha = tl.exp2(max_i - max_new)
+    p = tl.exp2(scores - max_new)
+    v_row = v_new.to(q.dtype).to(tl.float32)
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v_row
+    return max_new, sum_i * alpha + p, acc
 
 
 @triton.jit
@@ -247,15 +220,15 @@ def _decode_split_kernel(
     q_ptrs = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
     if ROTARY:
         # The new token: rotate q and k (in registers), and the first split caches k and v.
-        cos, sin = _cos_sin(cos_ptr + seq * stride_cos_seq, sin_ptr + seq * stride_sin_seq, dims, HEAD_DIM)
-        k_new, v_new = _rotate_and_cache_new_kv(
+        cos, sin = cos_sin_row(cos_ptr + seq * stride_cos_seq, sin_ptr + seq * stride_sin_seq, dims, HEAD_DIM)
+        k_new, v_new = rotate_and_cache_new_kv(
             k_new_ptr + seq * stride_k_seq + kv_head * stride_k_head,
             v_new_ptr + seq * stride_v_seq + kv_head * stride_v_head,
             cos, sin, slot_mapping_ptr + seq, kv_head_ptr, k_scale_ptr, v_scale_ptr,
             stride_kv_block, stride_kv_kv, stride_kv_token, dims, split == 0,
             HEAD_DIM, BLOCK_SIZE, KV_FP8,
         )  # fmt: skip
-        q = _rotate(q_ptrs, dims[None, :], cos, sin, row_ok[:, None] & dim_ok[None, :], HEAD_DIM // 2)
+        q = rotate_heads(q_ptrs, dims[None, :], cos, sin, row_ok[:, None] & dim_ok[None, :], HEAD_DIM // 2)
     else:
         q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [G, D]
     if FP16_DOT:  # saturate rather than overflow fp16's range (q is bf16 or fp32 here)
@@ -278,18 +251,8 @@ def _decode_split_kernel(
         )  # fmt: skip
         max_i, sum_i, acc = _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION)
     if ROTARY:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if (split_start <= seq_len - 1) & (seq_len - 1 < split_end):
-            # One more online-softmax step, for the new token, with the values the cache holds
-            # (rounded to its dtype, or fp8) in the dtype the tiles above are read in.
-            k_row = k_new.to(q.dtype).to(tl.float32)  # [1, D]
-            scores = tl.sum(q.to(tl.float32) * k_row, 1) * qk_scale  # [G]
-            max_new = tl.maximum(max_i, scores)
-            alpha = tl.exp2(max_i - max_new)
-            p = tl.exp2(scores - max_new)
-            sum_i = sum_i * alpha + p
-            v_row = v_new.to(q.dtype).to(tl.float32)
-            acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v_row
-            max_i = max_new
+        if (split_start <= seq_len - 1) & (seq_len - 1 < split_end):  # the split holding the new token
+            max_i, sum_i, acc = _attend_new_token(q, k_new, v_new, max_i, sum_i, acc, qk_scale)
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -305,89 +268,24 @@ def _decode_split_kernel(
         acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :]
         tl.store(acc_ptrs, acc, mask=row_ok[:, None])
         if COMBINE:
-            tl.debug_barrier()  # every thread's partial is written before the semaphore counts it
-            lock = lock_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(lock, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split in
-                _combine_group(
-                    out_ptr + seq * stride_out_seq + kv_head * GROUP * stride_out_head, part_max_ptr,
-                    part_sum_ptr, part_acc_ptr, (seq * tl.num_programs(1) + kv_head) * GROUP, stride_out_head,
-                    seq_len, split_len, GROUP, HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS, SPLITS_PAD,
-                )  # fmt: skip
-                tl.atomic_xchg(lock, 0, sem="relaxed")
+            combine_if_last(
+                lock_ptr + seq * tl.num_programs(1) + kv_head,
+                out_ptr + seq * stride_out_seq + kv_head * GROUP * stride_out_head, part_max_ptr,
+                part_sum_ptr, part_acc_ptr, (seq * tl.num_programs(1) + kv_head) * GROUP, stride_out_head,
+                seq_len, split_len, GROUP, HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS, SPLITS_PAD,
+            )  # fmt: skip
 
 
-@triton.jit
-def _combine_group(
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, stride_out_head, seq_len, split_len,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):  # fmt: skip
-    """`_combine_splits_kernel` for one KV head's GROUP query heads (partials from row
-    first_part; out_ptr at the first head's output), run by the last of its splits to
-    finish. Partials are read from L2 (.cg: other SMs wrote them); acc rows only of splits
-    that saw tokens (the others weigh 0), 8 splits a step to bound the registers."""
-    GROUP_P2: tl.constexpr = triton.next_power_of_2(GROUP)
-    CHUNK: tl.constexpr = min(8, SPLITS_PAD)
-    rows = tl.arange(0, GROUP_P2)
-    row_ok = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    splits = tl.arange(0, SPLITS_PAD)
-    part = (first_part + rows)[:, None] * NUM_SPLITS + splits[None, :]  # [G, S]
-    ok = row_ok[:, None] & (splits < NUM_SPLITS)[None, :]
-    part_max = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    part_sum = tl.load(part_sum_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-    global_max = tl.max(part_max, 1)
-    global_max = tl.where(global_max > float("-inf"), global_max, 0.0)  # all splits empty
-    total = tl.sum(part_sum * tl.exp2(part_max - global_max[:, None]), 1)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM_PAD], tl.float32)
-    for first in tl.static_range(0, NUM_SPLITS, CHUNK):
-        chunk = first + tl.arange(0, CHUNK)
-        chunk_part = (first_part + rows)[:, None] * NUM_SPLITS + chunk[None, :]  # [G, C]
-        active = row_ok[:, None] & ((chunk < NUM_SPLITS) & (chunk * split_len < seq_len))[None, :]
-        chunk_max = tl.load(part_max_ptr + chunk_part, mask=active, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp2(chunk_max - global_max[:, None])  # [G, C]
-        acc_ptrs = part_acc_ptr + chunk_part[:, :, None] * HEAD_DIM_PAD + dims[None, None, :]
-        part_acc = tl.load(acc_ptrs, mask=active[:, :, None], other=0.0, cache_modifier=".cg")  # [G, C, D]
-        acc += tl.sum(part_acc * weight[:, :, None], 1)
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    out_ptrs = out_ptr + rows[:, None] * stride_out_head + dims[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
+@dataclass(frozen=True, slots=True)
+class NewTokens:
+    """Each sequence's new token for `rotary_decode_attention`: k and v [B, Hkv, D] not yet
+    rotated, cos / sin [B, D / 2] fp32, slot_mapping [B] (-1: not cached)."""
 
-
-@triton.jit
-def _combine_splits_kernel(
-    out_ptr,  # [B, Hq, D]
-    part_max_ptr,  # [B, Hq, NUM_SPLITS]
-    part_sum_ptr,  # [B, Hq, NUM_SPLITS]
-    part_acc_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM_PAD]
-    stride_out_seq,
-    stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.dependent_start(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    split_ok = splits < NUM_SPLITS
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits  # [S]
-
-    part_max = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
-    global_max = tl.max(part_max, 0)
-    # Empty splits (max -inf) weigh exp2(-inf) = 0; every split is empty in a padding row.
-    global_max = tl.where(global_max > float("-inf"), global_max, 0.0)
-    weight = tl.exp2(part_max - global_max)
-    total = tl.sum(part_sum * weight, 0)
-    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :]
-    acc = tl.load(acc_ptrs, mask=split_ok[:, None], other=0.0)  # [S, D]
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    out_ptrs = out_ptr + seq * stride_out_seq + head * stride_out_head + dims
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 @functools.lru_cache(maxsize=8)
@@ -461,10 +359,8 @@ def rotary_decode_attention(
     cos = cos.reshape(num_tokens, head_dim // 2)
     sin = sin.reshape(num_tokens, head_dim // 2)
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1
-    return _decode(
-        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale,
-        (k, v, cos, sin, slot_mapping),
-    )  # fmt: skip
+    new = NewTokens(k, v, cos, sin, slot_mapping)
+    return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new)
 
 
 def _decode(
@@ -477,9 +373,9 @@ def _decode(
     max_seq_len: int | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    new: NewTokens | None,
 ) -> torch.Tensor:
-    """new_kv: (k, v, cos, sin, slot_mapping) of `rotary_decode_attention`, or None."""
+    """Both launches; `new`: rotate and cache the new tokens first (`rotary_decode_attention`)."""
     batch_size, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -505,16 +401,16 @@ def _decode(
         part_acc = q.new_empty((*part_max.shape, head_dim_pad), dtype=torch.float32)
     tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
     use_pdl = pdl.enabled(q)
-    k_new, v_new, cos, sin, slot_mapping = new_kv if new_kv is not None else (q, q, q, q, seq_lens)  # unread
+    rotary = new if new is not None else NewTokens(q, q, q, q, seq_lens)  # any tensors: not read
     combine = num_splits > 1 and FUSED_COMBINE
     locks = semaphores("decode_attention", q.device, batch_size * num_kv_heads) if combine else seq_lens
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * math.log2(math.e),
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # any pointer: not read
-        k_new, v_new, cos, sin, slot_mapping, locks,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
+        rotary.k, rotary.v, rotary.cos, rotary.sin, rotary.slot_mapping, locks,
+        q.stride(0), q.stride(1), rotary.k.stride(0), rotary.k.stride(1), rotary.v.stride(0), rotary.v.stride(1),
+        rotary.cos.stride(0), rotary.sin.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         GROUP=group,
@@ -529,16 +425,16 @@ def _decode(
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
         PDL=use_pdl,
-        ROTARY=new_kv is not None,
+        ROTARY=new is not None,
         COMBINE=combine,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
-        EARLY_TILE=new_kv is not None and EARLY_FIRST_TILE,
+        EARLY_TILE=new is not None and EARLY_FIRST_TILE,
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,
     )  # fmt: skip
     if num_splits > 1 and not combine:
-        _combine_splits_kernel[(batch_size, num_heads)](
+        combine_splits_kernel[(batch_size, num_heads)](
             out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
@@ -549,51 +445,3 @@ def _decode(
             launch_pdl=use_pdl,
         )  # fmt: skip
     return out
-
-
-def bench_decode_attention() -> None:
-    """Batch 64 x 2k context, Hq 32 / Hkv 8, D 128, block 16, bf16: achieved HBM bandwidth,
-    against a device-to-device copy measured in the same run."""
-    from triton.testing import do_bench
-
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
-    device = torch.device("cuda")
-    batch_size, num_heads, num_kv_heads, head_dim, block_size = 64, 32, 8, 128, 16
-    max_seq_len = 2048
-    blocks_per_seq = max_seq_len // block_size
-    num_blocks = batch_size * blocks_per_seq
-    dtype = torch.bfloat16
-    gen = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(batch_size, num_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    kv_cache = torch.randn(
-        num_blocks, 2, block_size, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen
-    )
-    perm = torch.randperm(num_blocks, device=device, generator=gen)
-    block_tables = perm.view(batch_size, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch_size,), max_seq_len, device=device, dtype=torch.int32)
-    scale = head_dim**-0.5
-
-    num_splits = choose_num_splits(batch_size, num_kv_heads, max_seq_len, _num_sms(device))
-    ms = do_bench(
-        lambda: decode_attention(
-            q, kv_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len
-        )
-    )
-    kv_bytes = kv_cache.numel() * kv_cache.element_size()
-    num_bytes = kv_bytes + 2 * q.numel() * q.element_size()
-
-    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src))
-    copy_gbps = 2 * src.numel() / copy_ms / 1e6  # read + write
-
-    gbps = num_bytes / ms / 1e6
-    print(
-        f"decode attention B={batch_size} L={max_seq_len} Hq={num_heads} Hkv={num_kv_heads} "
-        f"D={head_dim} block={block_size} bf16 splits={num_splits}: {ms * 1e3:.1f} us, "
-        f"{gbps:.0f} GB/s; copy {copy_gbps:.0f} GB/s; fraction {gbps / copy_gbps:.2f}"
-    )
-
-
-if __name__ == "__main__":
-    bench_decode_attention()

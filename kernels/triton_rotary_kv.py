@@ -41,6 +41,56 @@ def _rotate_in_place(
     return out1, out2
 
 
+# The decode attention's rotary of the new token (kernels/triton_decode_attention.py).
+
+
+@triton.jit
+def cos_sin_row(cos_ptr, sin_ptr, dims, HEAD_DIM: tl.constexpr):
+    """One token's cos and sin ([D / 2] fp32 each) spread over the head: [1, D_PAD], entry d
+    holding angle d mod D / 2."""
+    half = HEAD_DIM // 2
+    angle = tl.where(dims < half, dims, dims - half)[None, :]
+    ok = (dims < HEAD_DIM)[None, :]
+    return tl.load(cos_ptr + angle, mask=ok, other=0.0), tl.load(sin_ptr + angle, mask=ok, other=0.0)
+
+
+@triton.jit
+def rotate_heads(ptrs, dims, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate-half rotary of the heads at ptrs ([R, D], D contiguous), as
+    `kernels.reference.rotary_embedding` computes it (fp32, then rounded to x's dtype)."""
+    first = dims < HALF
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptrs + tl.where(first, HALF, -HALF), mask=mask, other=0.0).to(tl.float32)
+    rotated = tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
+    return rotated.to(ptrs.dtype.element_ty)
+
+
+@triton.jit
+def rotate_and_cache_new_kv(
+    k_ptr, v_ptr, cos, sin, slot_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kv_block, stride_kv_kv, stride_kv_token, dims, write,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """One KV head of the new token (cos, sin: [1, D] from `cos_sin_row`): k rotated, then k and
+    v as the cache stores them ([1, D] each, the cache's dtype; fp8 scaled by k_scale /
+    v_scale). `write`: also store them in the token's slot (one program per KV head does)."""
+    ok = (dims < HEAD_DIM)[None, :]
+    k = rotate_heads(k_ptr + dims[None, :], dims[None, :], cos, sin, ok, HEAD_DIM // 2)
+    v = tl.load(v_ptr + dims[None, :], mask=ok, other=0.0)
+    element_ty = cache_ptr.dtype.element_ty
+    if KV_FP8:
+        k, v = _to_fp8(k, k_scale_ptr, element_ty), _to_fp8(v, v_scale_ptr, element_ty)
+    else:
+        k, v = k.to(element_ty), v.to(element_ty)
+    if write:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if slot >= 0:
+            dst = cache_ptr + (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_token
+            tl.store(dst + dims[None, :], k, mask=ok)
+            tl.store(dst + stride_kv_kv + dims[None, :], v, mask=ok)
+    return k, v
+
+
 @triton.jit
 def _rotary_write_kv_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr,
