@@ -1,5 +1,5 @@
 """Device-resident int32 semaphores for kernels whose last program to arrive finishes the
-work of all (the split-K INT4 GEMVs' reduction, the decode attention's split combine).
+work of all (the split-K INT4 GEMVs' reduction).
 
 Each set lives for the process and is all 0 between launches: the last program sets its
 semaphore back to 0, so a CUDA graph replays the kernel as is, with no zeroing launch.

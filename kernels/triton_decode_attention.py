@@ -8,8 +8,7 @@ Semantics are those of `kernels.reference.decode_attention`. Two launches:
      softmax and writes a partial (max, sum, acc) per query head, or, when there is one
      split, the normalised output directly (and launch 2 is skipped).
   2. `combine_splits_kernel` (kernels/triton_decode_combine.py), grid (B, Hq): rescales the
-     partials to a common max and sums. With FUSED_COMBINE the last split of each KV head
-     to finish does this instead.
+     partials to a common max and sums.
 On Hopper both start early and wait for the kernel before (PDL, kernels/pdl.py).
 
 `rotary_decode_attention` (what the engine runs for a decode-only batch on CUDA) folds the
@@ -41,18 +40,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
 from kernels.fp8_kv import is_fp8
-from kernels.semaphores import semaphores
-from kernels.triton_decode_combine import combine_if_last, combine_splits_kernel
+from kernels.triton_decode_combine import combine_splits_kernel
 from kernels.triton_rotary_kv import cos_sin_row, rotate_and_cache_new_kv, rotate_heads
 
 _MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) shows
 _MAX_NUM_SPLITS = 64  # bounds the combine kernel's [splits, head_dim] register tile
 _PROGRAMS_PER_SM = 4  # resident programs per SM to hide HBM latency
-# True: the last split of each KV head to finish combines the splits (a semaphore per
-# (sequence, KV head): kernels/semaphores.py) instead of a second launch. Measured neutral
-# on the H200's batch-1 step (bf16 -9 / -20 us, fp8 +10 / -2, int8 +18 / +10:
-# docs/benchmarks.md), so the simpler second launch stays the default.
-FUSED_COMBINE = False
 # rotary_decode_attention: each split loads its first tile of cached K/V (and the sequence's
 # length and block table entries) before waiting for the qkv projection (PDL), so those
 # loads overlap the projection's tail. Safe there (and only there): the cached tokens, the
@@ -147,7 +140,6 @@ def _decode_split_kernel(
     cos_ptr,  # ROTARY: [B, D / 2] fp32
     sin_ptr,
     slot_mapping_ptr,  # ROTARY: [B], the new tokens' cache slots (-1: not cached)
-    lock_ptr,  # COMBINE: [B * Hkv] int32 semaphores, 0 between launches (kernels/semaphores.py)
     stride_q_seq,
     stride_q_head,
     stride_k_seq,
@@ -175,8 +167,6 @@ def _decode_split_kernel(
     FP16_DOT: tl.constexpr,
     PDL: tl.constexpr,
     ROTARY: tl.constexpr,
-    COMBINE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     EARLY_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -267,13 +257,6 @@ def _decode_split_kernel(
         tl.store(part_sum_ptr + part, sum_i, mask=row_ok)
         acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :]
         tl.store(acc_ptrs, acc, mask=row_ok[:, None])
-        if COMBINE:
-            combine_if_last(
-                lock_ptr + seq * tl.num_programs(1) + kv_head,
-                out_ptr + seq * stride_out_seq + kv_head * GROUP * stride_out_head, part_max_ptr,
-                part_sum_ptr, part_acc_ptr, (seq * tl.num_programs(1) + kv_head) * GROUP, stride_out_head,
-                seq_len, split_len, GROUP, HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS, SPLITS_PAD,
-            )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,13 +385,11 @@ def _decode(
     tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
     use_pdl = pdl.enabled(q)
     rotary = new if new is not None else NewTokens(q, q, q, q, seq_lens)  # any tensors: not read
-    combine = num_splits > 1 and FUSED_COMBINE
-    locks = semaphores("decode_attention", q.device, batch_size * num_kv_heads) if combine else seq_lens
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * math.log2(math.e),
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # any pointer: not read
-        rotary.k, rotary.v, rotary.cos, rotary.sin, rotary.slot_mapping, locks,
+        rotary.k, rotary.v, rotary.cos, rotary.sin, rotary.slot_mapping,
         q.stride(0), q.stride(1), rotary.k.stride(0), rotary.k.stride(1), rotary.v.stride(0), rotary.v.stride(1),
         rotary.cos.stride(0), rotary.sin.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -426,14 +407,12 @@ def _decode(
         FP16_DOT=fp16_dot,
         PDL=use_pdl,
         ROTARY=new is not None,
-        COMBINE=combine,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
         EARLY_TILE=new is not None and EARLY_FIRST_TILE,
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,
     )  # fmt: skip
-    if num_splits > 1 and not combine:
+    if num_splits > 1:
         combine_splits_kernel[(batch_size, num_heads)](
             out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, semaphores, triton_decode_attention
+from kernels import reference
 from kernels.fp8_kv import FP8_KV_DTYPE, quantize
 from kernels.triton_decode_attention import choose_num_splits, decode_attention
 
@@ -113,21 +113,6 @@ def test_more_splits_than_tiles() -> None:
 
 def test_head_dim_not_power_of_two() -> None:
     check([23, 0, 90], 4, 2, 40, 16, torch.float16, num_splits=2)
-
-
-@pytest.mark.parametrize("num_splits", [2, 8, 12])  # 12: a last chunk of 8 splits half past NUM_SPLITS
-def test_split_combine_in_the_kernel_equals_the_second_launch(num_splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSED_COMBINE: the last split of a KV head to finish combines them, counted on a
-    semaphore that is 0 again afterwards; the same result as the separate combine launch."""
-    q, kv_cache, block_tables, seq_lens = make_inputs([37, 0, 1, 150, 300], 8, 2, 32, 16, torch.float32)
-    outs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(triton_decode_attention, "FUSED_COMBINE", fused)
-        outs[fused] = decode_attention(q, kv_cache, block_tables, seq_lens, 0.2, num_splits=num_splits)
-    assert int(semaphores.SETS["decode_attention", q.device].count_nonzero()) == 0
-    torch.testing.assert_close(outs[True], outs[False], atol=1e-6, rtol=0)
-    expected = reference.decode_attention(q, kv_cache, block_tables, seq_lens, 0.2)
-    torch.testing.assert_close(outs[True], expected, atol=ATOL[torch.float32], rtol=0)
 
 
 def test_block_larger_than_tile() -> None:
