@@ -22,9 +22,10 @@ import torch
 import kernels
 from benchmarks.bench_gemv import copy_bandwidth, graph_seconds
 from kernels import int4_reference
-from kernels.int4_rows import gptq_to_rows
+from kernels.int4_rows import gptq_to_pairs, gptq_to_rows
 from kernels.triton_int4_gemm import int4_gemm
 from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+from kernels.triton_int4_mma import int4_mma, pick_mma_config
 from kernels.triton_int4_rows import gemv_rows, int4_gemm_rows, pick_rows_config
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
@@ -46,6 +47,7 @@ def packed_set(k: int, n: int) -> dict[str, torch.Tensor]:
     return {
         "qweight": qweight,
         "rows": gptq_to_rows(qweight),
+        "pairs": gptq_to_pairs(qweight),
         "qzeros": torch.randint(-(2**31), 2**31, (k // GROUP, n // 8), device="cuda", dtype=torch.int32),
         "scales": (torch.rand(k // GROUP, n, device="cuda") * 0.01).half(),
     }
@@ -87,6 +89,40 @@ def gemv_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], ban
     print(json.dumps(row), flush=True)
 
 
+# (block_n, num_warps, num_stages, programs per SM) of the tensor-core kernel (kernels/triton_int4_mma.py)
+MMA_SWEEP = [
+    (bn, w, st, pps)
+    for (bn, w), st, pps in itertools.product(((32, 1), (64, 1), (64, 2), (128, 2), (128, 4), (256, 4)), (2, 3, 4), (4, 8))
+]
+
+
+def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool) -> None:
+    """The tensor-core kernel against the rows GEMV (default config), M = 1, 4, 16, same run."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    row: dict[str, object] = {"shape": name}
+    t = sets[0]
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
+        cfg = pick_mma_config(m, n, k, num_sms)
+        out = int4_mma(x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, cfg).float()
+        row[f"m{m}_rel_err_mma"] = float((out - ref).norm() / ref.norm())
+        if m == 1:
+            old = [functools.partial(gemv_rows, x, s["rows"], s["qzeros"], s["scales"], None, GROUP, 1, pick_rows_config(n, k, num_sms)) for s in sets]
+        else:
+            old = [functools.partial(int4_gemm_rows, x, s["rows"], s["qzeros"], s["scales"], GROUP, 1) for s in sets]
+        row[f"m{m}_rows_us"] = round(timed(old), 2)
+        sweep = []
+        for block_n, warps, stages, pps in [(64, 1, 3, 4)] if quick or m > 1 else MMA_SWEEP:
+            cfg = pick_mma_config(m, n, k, num_sms, block_n, warps, pps, stages)
+            calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
+            sweep.append((round(timed(calls), 2), f"bn={block_n} w={warps} st={stages} pps={pps} split={cfg.split_k}"))
+        sweep.sort()
+        row[f"m{m}_mma_best"] = sweep[:4]
+        row[f"m{m}_mma_best_of_copy"] = round(k * n / 2 / sweep[0][0] / 1e3 / (bandwidth / 1e9), 3)
+        print(json.dumps(row), flush=True)
+
+
 def check_and_batched(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]]) -> None:
     """Relative error of each path against the reference (fp32 on the GPU), and M = 4, 16 timings."""
     t = sets[0]
@@ -109,14 +145,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the default rows config only (no sweep)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--mma", action="store_true", help="only the tensor-core kernel against the rows GEMV")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
-        gemv_row(name, k, n, sets, bandwidth, args.quick)
-        check_and_batched(name, k, n, sets)
+        if args.mma:
+            mma_row(name, k, n, sets, bandwidth, args.quick)
+        else:
+            gemv_row(name, k, n, sets, bandwidth, args.quick)
+            check_and_batched(name, k, n, sets)
         del sets
         torch.cuda.empty_cache()
 

@@ -65,3 +65,29 @@ def rows_to_gptq(rows: torch.Tensor) -> torch.Tensor:
     out_features, num_words = rows.shape
     q = unpack_rows_layout(rows).reshape(num_words, 8, out_features)  # [K/8, i, N]: input 8 r + i
     return _pack_last(q.permute(0, 2, 1)).contiguous()
+
+
+# The "pairs" layout (kernels/triton_int4_mma.py): qweight int32 [N, K/8], blocks of 128
+# inputs per output as in "rows", but nibble i of word w of block b holds input
+# 128 b + 32 (i % 4) + 2 w + i // 4: read as int16 halves, half c = 2 w + i // 4 holds
+# input 32 p + c in nibble p, so the two halves of a word are adjacent inputs.
+def gptq_to_pairs(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ qweight [K/8, N] -> pairs qweight [N, K/8] (the same 4-bit values)."""
+    num_words, out_features = qweight.shape
+    assert (num_words * 8) % ROW_BLOCK == 0, f"{num_words * 8} inputs are not whole blocks of {ROW_BLOCK}"
+    parts = []
+    for start in range(0, out_features, _CHUNK):
+        q = unpack_rows(qweight[:, start : start + _CHUNK])  # [K, n]
+        n = q.shape[1]
+        blocks = q.reshape(-1, 4, WORDS_PER_BLOCK, 2, n)  # [B, p, w, h, n]: input 128 b + 32 p + 2 w + h
+        parts.append(_pack_last(blocks.permute(4, 0, 2, 3, 1).reshape(n, -1, 8)).reshape(n, num_words))
+    return torch.cat(parts).contiguous()
+
+
+def unpack_pairs_layout(pairs: torch.Tensor) -> torch.Tensor:
+    """Pairs qweight [N, K/8] -> [K, N] values 0..15."""
+    out_features, num_words = pairs.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=pairs.device)
+    nibbles = (pairs.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]: (n, 16 b + w, 4 h + p)
+    q = nibbles.reshape(out_features, -1, WORDS_PER_BLOCK, 2, 4).permute(1, 4, 2, 3, 0)  # [B, p, w, h, N]
+    return q.reshape(num_words * 8, out_features)

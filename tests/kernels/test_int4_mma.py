@@ -1,0 +1,92 @@
+"""The pairs INT4 layout (kernels/int4_rows.py) and its tensor-core kernel
+(kernels/triton_int4_mma.py) against the GPTQ reference (kernels/int4_reference.py).
+
+Without a GPU: the Triton interpreter (the plain-op weight conversion), tiny shapes.
+With one: the PTX conversion at Llama-8B shapes, and a CUDA graph replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import int4_reference
+from kernels.int4_rows import gptq_to_pairs, unpack_pairs_layout
+from kernels.triton_int4_mma import MmaConfig, int4_mma, pick_mma_config
+from tests.kernels.test_int4_gemv import DEVICE, cuda_only, gptq_tensors, randn, reference
+
+# x and the weights 128 + q are bf16 (exact), products and sums fp32: the result rounds once
+# to x's dtype; bf16's 8 bits give a relative error up to 2^-8 per output.
+TOLERANCE = 1e-2
+
+
+def test_pairs_repack_is_exact_and_places_each_input() -> None:
+    k, n = 256, 24
+    qweight = torch.randint(-(2**31), 2**31, (k // 8, n), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    pairs = gptq_to_pairs(qweight)
+    assert pairs.shape == (n, k // 8) and pairs.dtype == torch.int32
+    q = int4_reference.unpack_rows(qweight)  # [K, N]
+    assert torch.equal(unpack_pairs_layout(pairs), q)
+    halves = pairs.view(torch.int16)  # little-endian: half 2w is the low half of word w
+    for out, block, p, c in [(0, 0, 0, 0), (5, 0, 3, 31), (23, 1, 2, 9), (11, 1, 1, 16)]:
+        half = int(halves[out, 32 * block + c]) & 0xFFFF
+        assert (half >> (4 * p)) & 0xF == int(q[128 * block + 32 * p + c, out])
+
+
+CONFIGS = [MmaConfig(16, 16, 1), MmaConfig(32, 16, 3, num_stages=2), MmaConfig(16, 16, 2, num_stages=1)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split3", "split2"])
+@pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (256, 1)], ids=["g32", "g128", "g256"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int) -> None:
+    # N = 40: a ragged last block of outputs; K = 512: 4 blocks, split 3 ways unevenly.
+    k, n = 512, 40
+    t = gptq_tensors(k, n, group_size, zero_offset)
+    x = randn(m, k, dtype=torch.bfloat16, seed=2)
+    bias = randn(n, dtype=torch.bfloat16, seed=3)
+    actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], bias, group_size, zero_offset, config)
+    expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(torch.bfloat16)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (m, n)
+    torch.testing.assert_close(actual, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_int4_mma_rows_of_x_past_one_tile() -> None:
+    # 20 rows: two M tiles, the second ragged; fp32 sums leave one rounding to bf16.
+    k, n = 256, 16
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(20, k, dtype=torch.bfloat16, seed=5)
+    actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, CONFIGS[1])
+    torch.testing.assert_close(actual, reference(x, t, 128, 1), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@cuda_only
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (14336, 4096)])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_int4_mma_llama_shapes(k: int, n: int, m: int) -> None:
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(m, k, dtype=torch.bfloat16, seed=6)
+    config = pick_mma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, config).float()
+    expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
+    assert float((actual - expected).norm() / expected.norm()) < 4e-3
+
+
+@cuda_only
+def test_int4_mma_graph_replay_resets_semaphores() -> None:
+    k, n = 4096, 4096
+    t = gptq_tensors(k, n, 128, 1)
+    pairs = gptq_to_pairs(t["qweight"])
+    x = randn(1, k, dtype=torch.bfloat16, seed=7)
+    config = dataclasses.replace(pick_mma_config(1, n, k, 132), split_k=8)
+    eager = int4_mma(x, pairs, t["qzeros"], t["scales"], None, 128, 1, config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_mma(x, pairs, t["qzeros"], t["scales"], None, 128, 1, config)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    assert DEVICE == "cuda"
