@@ -89,10 +89,15 @@ def gemv_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], ban
     print(json.dumps(row), flush=True)
 
 
-# (block_n, num_warps, num_stages, programs per SM) of the tensor-core kernel (kernels/triton_int4_mma.py)
+# (block_n, num_warps, num_stages, programs per SM, early, xsum) of the tensor-core kernel
+# (kernels/triton_int4_mma.py): tiles and splits with the early first block, then the early
+# read and the zeros through sum x each way on three tiles.
 MMA_SWEEP = [
-    (bn, w, st, pps)
-    for (bn, w), st, pps in itertools.product(((32, 1), (64, 1), (64, 2), (128, 2), (128, 4), (256, 4)), (2, 3, 4), (4, 8))
+    (bn, w, st, pps, True, False)
+    for (bn, w), st, pps in itertools.product(((32, 1), (64, 1), (64, 2), (128, 2), (128, 4)), (2, 3), (4, 8, 16))
+] + [
+    (bn, w, 3, 8, early, xsum)
+    for (bn, w), (early, xsum) in itertools.product(((64, 1), (64, 2), (128, 2)), ((False, False), (True, True), (False, True)))
 ]
 
 
@@ -101,7 +106,7 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     row: dict[str, object] = {"shape": name}
     t = sets[0]
-    for m in (1, 4, 16):
+    for m in (1, 4, 16, 64):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
         cfg = pick_mma_config(m, n, k, num_sms)
@@ -113,10 +118,11 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
             old = [functools.partial(int4_gemm_rows, x, s["rows"], s["qzeros"], s["scales"], GROUP, 1) for s in sets]
         row[f"m{m}_rows_us"] = round(timed(old), 2)
         sweep = []
-        for block_n, warps, stages, pps in [(64, 1, 3, 4)] if quick or m > 1 else MMA_SWEEP:
-            cfg = pick_mma_config(m, n, k, num_sms, block_n, warps, pps, stages)
+        default = pick_mma_config(m, n, k, num_sms)
+        configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, *c) for c in MMA_SWEEP]
+        for cfg in configs:
             calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
-            sweep.append((round(timed(calls), 2), f"bn={block_n} w={warps} st={stages} pps={pps} split={cfg.split_k}"))
+            sweep.append((round(timed(calls), 2), f"{'default ' if cfg is default else ''}{cfg}"))
         sweep.sort()
         row[f"m{m}_mma_best"] = sweep[:4]
         row[f"m{m}_mma_best_of_copy"] = round(k * n / 2 / sweep[0][0] / 1e3 / (bandwidth / 1e9), 3)

@@ -204,17 +204,19 @@ def int4_gemm(
     zero_offset: int,
 ) -> torch.Tensor:
     """x [M, K] @ a GPTQ/AWQ INT4 weight [K, N] -> [M, N] (kernels/int4_reference.py has the
-    layouts; layout "rows": GPTQ repacked at load, kernels/int4_rows.py); g_idx None: groups
+    layouts; layouts "rows" and "pairs": GPTQ repacked at load, kernels/int4_rows.py); g_idx None: groups
     of `group_size` consecutive inputs."""
-    if layout == "rows":
+    if layout in ("rows", "pairs"):
         assert g_idx is None, "act-order weights keep GPTQ's layout"
         if not x.is_cuda:
             from kernels import int4_reference
 
-            return int4_reference.int4_gemm(x, qweight, qzeros, scales, None, group_size, "rows", zero_offset)
-        from kernels import triton_int4_gemm, triton_int4_rows
+            return int4_reference.int4_gemm(x, qweight, qzeros, scales, None, group_size, layout, zero_offset)
+        from kernels import triton_int4_gemm, triton_int4_mma, triton_int4_rows
 
         num_sms = triton_int4_gemm._num_sms(x.device)
+        if layout == "pairs":
+            return triton_int4_mma.int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms)
         return triton_int4_rows.int4_gemm_rows(x, qweight, qzeros, scales, group_size, zero_offset, num_sms)
     if not x.is_cuda:
         from kernels import int4_reference

@@ -19,6 +19,9 @@ import torch
 
 from kernels.int4_reference import unpack_rows
 
+# The layout Int4Linear repacks GPTQ weights into (engine/quantization/int4_linear.py):
+# "pairs" (tensor-core kernels, kernels/triton_int4_mma.py) or "rows" (CUDA-core GEMV).
+DECODE_LAYOUT = "pairs"
 ROW_BLOCK = 128  # inputs per block
 WORDS_PER_BLOCK = ROW_BLOCK // 8
 _CHUNK = 4096  # outputs repacked at a time (bounds the int64 temporaries)
@@ -65,6 +68,13 @@ def rows_to_gptq(rows: torch.Tensor) -> torch.Tensor:
     out_features, num_words = rows.shape
     q = unpack_rows_layout(rows).reshape(num_words, 8, out_features)  # [K/8, i, N]: input 8 r + i
     return _pack_last(q.permute(0, 2, 1)).contiguous()
+
+
+def pairs_layout_fits(in_features: int, group_size: int) -> bool:
+    """Whether a GPTQ weight (groups of consecutive inputs, -1: one group) fits the pairs
+    layout: whole blocks, and groups of whole runs of 32 inputs that tile the blocks."""
+    group = in_features if group_size == -1 else group_size
+    return in_features % ROW_BLOCK == 0 and group % 32 == 0 and (ROW_BLOCK % group == 0 or group % ROW_BLOCK == 0)
 
 
 # The "pairs" layout (kernels/triton_int4_mma.py): qweight int32 [N, K/8], blocks of 128

@@ -34,6 +34,8 @@ from kernels import pdl
 from kernels.semaphores import semaphores
 
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
+# Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
+DEQUANT_MIN_ROWS = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -44,32 +46,84 @@ class MmaConfig:
     split_k: int
     num_warps: int = 1
     num_stages: int = 3  # weight tiles in flight per program (cp.async into shared memory)
+    early: bool = False  # under PDL, read the first block's weights before the wait
+    xsum: bool = False  # zeros out with sum x (one more tl.dot) instead of a subtract per weight
 
 
 @triton.jit
-def _weights(halves, zero, P: tl.constexpr, PTX: tl.constexpr):
-    """q - zero of nibble P of each int16 half, exact in bf16. zero: int32 [BN, 1], the
-    group's zero of each output. Two adjacent halves of a row share a 32-bit register in
-    the tl.dot operand layout, so with PTX a shift, a LOP3 (the pair as bf16 128 + q) and a
-    bf16x2 subtract of 128 + zero make two weights."""
-    if not PTX:  # fp32 operands holding the same numbers: the interpreter multiplies bf16 wrongly
-        return (((halves >> (4 * P)) & 0xF) - zero).to(tl.float32)
-    zero_bits = tl.broadcast_to((0x4300 + zero).to(tl.int16), halves.shape)  # bf16 128 + zero
+def _weights(halves, zero, P: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr, FP16: tl.constexpr):
+    """Nibble P of each int16 half as a number: q - zero with SUB (zero: int32 [BN, 1], the
+    group's zero of each output), else OFFSET + q (OFFSET: 128 in bf16, 1024 in fp16);
+    exact either way. With PTX two adjacent halves of a row share a 32-bit register in the
+    tl.dot operand layout, so a shift and a LOP3 (the pair as OFFSET + q: the nibble in the
+    low mantissa bits of OFFSET) and with SUB one x2 subtract of OFFSET + zero make two
+    weights. Without PTX (the interpreter, fp32 x): fp32 numbers."""
+    if not PTX:
+        q = (halves >> (4 * P)) & 0xF
+        return (q - zero).to(tl.float32) if SUB else (q + 128).to(tl.float32)
+    # shr by 4 P (none for P = 0), then the pair's nibbles or'ed into OFFSET's bits
     if P == 0:
-        asm: tl.constexpr = "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xea; sub.rn.bf16x2 $0, t, $2; }"
+        shift: tl.constexpr = "mov.b32 t, $1;"
     elif P == 1:
-        asm: tl.constexpr = (
-            "{ .reg .b32 t; shr.u32 t, $1, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; sub.rn.bf16x2 $0, t, $2; }"
-        )
+        shift: tl.constexpr = "shr.u32 t, $1, 4;"
     elif P == 2:
-        asm: tl.constexpr = (
-            "{ .reg .b32 t; shr.u32 t, $1, 8; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; sub.rn.bf16x2 $0, t, $2; }"
-        )
+        shift: tl.constexpr = "shr.u32 t, $1, 8;"
     else:
-        asm: tl.constexpr = (
-            "{ .reg .b32 t; shr.u32 t, $1, 12; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; sub.rn.bf16x2 $0, t, $2; }"
+        shift: tl.constexpr = "shr.u32 t, $1, 12;"
+    if FP16:
+        magic: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;"
+        sub: tl.constexpr = " sub.rn.f16x2 $0, t, $2; }"
+        offset_bits: tl.constexpr = 0x6400
+        dtype: tl.constexpr = tl.float16
+    else:
+        magic: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea;"
+        sub: tl.constexpr = " sub.rn.bf16x2 $0, t, $2; }"
+        offset_bits: tl.constexpr = 0x4300
+        dtype: tl.constexpr = tl.bfloat16
+    if SUB:
+        zero_bits = tl.broadcast_to((offset_bits + zero).to(tl.int16), halves.shape)  # OFFSET + zero
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; " + shift + magic + sub, "=r,r,r", [halves, zero_bits], dtype=dtype, is_pure=True, pack=2
         )
-    return tl.inline_asm_elementwise(asm, "=r,r,r", [halves, zero_bits], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; " + shift + magic + " mov.b32 $0, t; }", "=r,r", [halves], dtype=dtype, is_pure=True, pack=2
+    )
+
+
+@triton.jit
+def _block_product(
+    acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
+    ZERO_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr,
+    XSUM: tl.constexpr,
+):  # fmt: skip
+    """acc [BN, BM] + the products of one block of 128 inputs (halves: its [BN, 32] int16)."""
+    BLOCK_N: tl.constexpr = halves.shape[0]
+    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if XSUM:
+        ones = tl.where(tl.arange(0, 16)[:, None] == 0, 1.0, 0.0).to(tl.bfloat16) + tl.zeros((16, 32), tl.bfloat16)
+        x_sum = tl.zeros((16, BLOCK_M), dtype=tl.float32)
+    for p in tl.static_range(4):
+        if p % GROUP_P == 0:
+            group = (block * 128 + 32 * p) // group_size
+            scale = tl.load(scales_ptr + group * N + rows_n).to(tl.float32)  # [BN]
+            packed_zero = tl.load(qzeros_ptr + group * (N // 8) + rows_n // 8)
+            zero = ((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET  # [BN]
+        x_t = tl.load(x_rows + block * 128 + 32 * p, mask=mask_m[None, :], other=0.0)  # [32, BM]
+        if XSUM:
+            w = _weights(halves, zero[:, None], p, PTX, False, FP16)  # OFFSET + q
+            x_sum = tl.dot(ones.to(w.dtype), x_t.to(w.dtype), x_sum, input_precision="ieee" if not PTX else None)
+        else:
+            w = _weights(halves, zero[:, None], p, PTX, True, FP16)
+        part = tl.dot(w, x_t.to(w.dtype), part, input_precision="ieee" if not PTX else None)
+        if (p + 1) % GROUP_P == 0:
+            if XSUM:
+                total_x = tl.sum(x_sum, axis=0)  # row 0 of ones is 1, the rest 0: exact
+                offset = (1024 if FP16 else 128) if PTX else 128
+                part -= (zero + offset).to(tl.float32)[:, None] * total_x[None, :]
+                x_sum = tl.zeros((16, BLOCK_M), dtype=tl.float32)
+            acc += scale[:, None] * part
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    return acc
 
 
 @triton.jit
@@ -77,11 +131,13 @@ def _pairs_mma_kernel(
     x_ptr, halves_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, stride_hn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_P: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    GROUP_P: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, XSUM: tl.constexpr,
 ):  # fmt: skip
     """Program (M block, N block, split). halves: the qweight as int16 [N, K/4]; half c of a
     block, nibble p, is input 32 p + c of the block. GROUP_P: runs of 32 inputs per group
-    (at most 4). stride_hn (K / 4) is an argument so that Triton sees it divisible by 16."""
+    (at most 4). stride_hn (K / 4) is an argument so that Triton sees it divisible by 16.
+    EARLY (with PDL): the first block's weights are read before the wait."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -93,24 +149,24 @@ def _pairs_mma_kernel(
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, num_blocks)
     x_rows = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T [32, BM] of a run of 32
+    weights = halves_ptr + rows_n[:, None] * stride_hn + offs_c[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PDL:
+    if PDL and EARLY:
+        early = tl.load(weights + first * 32, mask=first < last, other=0)  # weights: not written by the kernel before
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
+        if first < last:
+            acc = _block_product(
+                acc, early, first, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
+                ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, XSUM,
+            )  # fmt: skip
+        first += 1
+    elif PDL:
+        gdc_wait()
     for block in tl.range(first, last, num_stages=NUM_STAGES):
-        halves = tl.load(halves_ptr + rows_n[:, None] * stride_hn + block * 32 + offs_c[None, :])  # [BN, 32]
-        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for p in tl.static_range(4):
-            if p % GROUP_P == 0:
-                group = (block * 128 + 32 * p) // group_size
-                scale = tl.load(scales_ptr + group * N + rows_n).to(tl.float32)  # [BN]
-                packed_zero = tl.load(qzeros_ptr + group * (N // 8) + rows_n // 8)
-                zero = ((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET  # [BN]
-            x_t = tl.load(x_rows + block * 128 + 32 * p, mask=mask_m[None, :], other=0.0)  # [32, BM]
-            w = _weights(halves, zero[:, None], p, PTX)
-            part = tl.dot(w, x_t.to(w.dtype), part, input_precision="ieee" if not PTX else None)
-            if (p + 1) % GROUP_P == 0:
-                acc += scale[:, None] * part
-                part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = _block_product(
+            acc, tl.load(weights + block * 32), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
+            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, XSUM,
+        )  # fmt: skip
     _reduce_tiles(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
 
@@ -142,15 +198,17 @@ def _reduce_tiles(
 
 
 def pick_mma_config(
-    m: int, n: int, k: int, num_sms: int, block_n: int = 64, num_warps: int = 1, programs_per_sm: int = 4,
-    num_stages: int = 3,
+    m: int, n: int, k: int, num_sms: int, block_n: int = 64, num_warps: int = 2, programs_per_sm: int = 8,
+    num_stages: int = 3, early: bool = True, xsum: bool = False,
 ) -> MmaConfig:  # fmt: skip
-    """Split K until about `programs_per_sm` programs per SM."""
-    block_m = 16
+    """Split K until about `programs_per_sm` programs per SM. Rows of x in tiles of 16 up to
+    16 rows, else of 64. The defaults are benchmarks/bench_int4_gemv.py --mma's best on the
+    H200 for llama-3.1-8b (docs/benchmarks.md)."""
+    block_m = 16 if m <= 16 else 64
     num_blocks = k // PAIRS_BLOCK
     num_programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split_k = max(1, min(num_blocks, (programs_per_sm * num_sms) // num_programs))
-    return MmaConfig(block_n, block_m, split_k, num_warps, num_stages)
+    return MmaConfig(block_n, block_m, split_k, num_warps, num_stages, early, xsum)
 
 
 def int4_mma(
@@ -176,12 +234,67 @@ def int4_mma(
     workspace = torch.empty(config.split_k if config.split_k > 1 else 0, m, n, dtype=torch.float32, device=x.device)
     halves = qweight.view(torch.int16)
     use_pdl = pdl.enabled(x)
+    ptx = x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     _pairs_mma_kernel[grid](
         x, halves, qzeros, scales, bias if bias is not None else scales, workspace,
         semaphores("int4_mma", x.device, grid[0] * grid[1]), y, m, n, k, x.stride(0), y.stride(0), halves.stride(0),
         group_size, config.split_k,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=not _INTERPRET, PDL=use_pdl,
+        GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16, PDL=use_pdl,
+        EARLY=config.early, XSUM=config.xsum,
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
+
+
+@triton.jit
+def _dequant_pairs_kernel(
+    halves_ptr, qzeros_ptr, scales_ptr, out_ptr, N, stride_hn, group_size, ZERO_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """out [K, N] = the weight of input block program_id(0), in out's dtype."""
+    block = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.where(offs_n < N, offs_n, 0)
+    offs_c = tl.arange(0, 32)
+    halves = tl.load(halves_ptr + rows_n[:, None] * stride_hn + block * 32 + offs_c[None, :])  # [BN, 32]
+    for p in tl.static_range(4):
+        group = (block * 128 + 32 * p) // group_size
+        scale = tl.load(scales_ptr + group * N + rows_n).to(tl.float32)
+        zero = ((tl.load(qzeros_ptr + group * (N // 8) + rows_n // 8) >> ((rows_n % 8) * 4)) & 0xF) + ZERO_OFFSET
+        w = (((halves >> (4 * p)) & 0xF) - zero[:, None]).to(tl.float32) * scale[:, None]
+        out = out_ptr + (block * 128 + 32 * p + offs_c)[None, :] * N + offs_n[:, None]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
+
+
+def dequantize_pairs(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, zero_offset: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight [K, N] in `dtype` (a temporary for prefill's cuBLAS matmul)."""
+    n, num_words = qweight.shape
+    k = num_words * 8
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    halves = qweight.view(torch.int16)
+    _dequant_pairs_kernel[(k // PAIRS_BLOCK, triton.cdiv(n, 64))](
+        halves, qzeros, scales, out, n, halves.stride(0), group_size, ZERO_OFFSET=zero_offset, BLOCK_N=64
+    )
+    return out
+
+
+def int4_gemm_pairs(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int,
+    num_sms: int = 132,
+) -> torch.Tensor:
+    """x [M, K] @ a pairs-layout INT4 weight -> [M, N] in x's dtype (semantics of
+    kernels.int4_reference.int4_gemm on the same weight); group_size -1: one group. Up to
+    DEQUANT_MIN_ROWS rows on the tensor cores here, above that cuBLAS on the dequantized weight."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    group = k if group_size == -1 else group_size
+    if m > DEQUANT_MIN_ROWS:
+        return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
+    return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

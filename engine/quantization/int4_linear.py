@@ -29,8 +29,9 @@ from torch import nn
 import kernels
 from engine.errors import ModelLoadError
 from engine.quantization.int4_pack import PACK, pack_cols, pack_rows
+from kernels import int4_rows
 from kernels.int4_reference import group_index, unpack_cols
-from kernels.int4_rows import gptq_to_rows, rows_layout_fits
+from kernels.int4_rows import gptq_to_pairs, gptq_to_rows, pairs_layout_fits, rows_layout_fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,16 +202,22 @@ class Int4Linear(nn.Module):
 
     def _repack(self) -> None:
         self._repack_awq_as_gptq()
-        self._repack_gptq_as_rows()
+        self._repack_gptq_for_decode()
 
     @torch.no_grad()
-    def _repack_gptq_as_rows(self) -> None:
-        """GPTQ qweight [K/8, N] -> rows qweight [N, K/8] (kernels/int4_rows.py): the same
-        4-bit values; zeros, scales and zero offset unchanged."""
-        if self.layout != "gptq" or self.act_order or not rows_layout_fits(self.in_features, self.spec.group_size):
+    def _repack_gptq_for_decode(self) -> None:
+        """GPTQ qweight [K/8, N] -> pairs (or rows) qweight [N, K/8] (kernels/int4_rows.py):
+        the same 4-bit values; zeros, scales and zero offset unchanged. Pairs where the
+        layout fits and int4_rows.DECODE_LAYOUT asks for it, else rows where that fits."""
+        if self.layout != "gptq" or self.act_order:
             return
-        self.qweight = gptq_to_rows(self.qweight)
-        self.layout = "rows"
+        group_size = self.spec.group_size
+        if int4_rows.DECODE_LAYOUT == "pairs" and pairs_layout_fits(self.in_features, group_size):
+            self.qweight = gptq_to_pairs(self.qweight)
+            self.layout = "pairs"
+        elif rows_layout_fits(self.in_features, group_size):
+            self.qweight = gptq_to_rows(self.qweight)
+            self.layout = "rows"
 
     @torch.no_grad()
     def _repack_awq_as_gptq(self) -> None:

@@ -14,8 +14,14 @@ import torch
 
 import kernels
 from engine.quantization.int4_linear import Int4Linear, Int4Spec
-from engine.quantization.int4_pack import act_order_g_idx, pack_awq, pack_gptq, quantize_rtn
-from kernels import int4_reference, semaphores
+from engine.quantization.int4_pack import (
+    act_order_g_idx,
+    pack_awq,
+    pack_gptq,
+    pack_rows,
+    quantize_rtn,
+)
+from kernels import int4_reference, int4_rows, semaphores
 from kernels.int4_rows import gptq_to_rows, rows_layout_fits, rows_to_gptq
 from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows, int4_gemm_rows, pick_rows_config
 
@@ -156,10 +162,12 @@ def loaded_layer(spec: Int4Spec, in_features: int, sizes: list[int], act_order: 
     return layer, x
 
 
+@pytest.mark.parametrize("layout", ["rows", "pairs"])
 @pytest.mark.parametrize("spec", [Int4Spec("gptq", 64, 1), Int4Spec("gptq", -1, 0), Int4Spec("awq", 128, 0)])
-def test_loaded_layers_are_repacked_as_rows(spec: Int4Spec) -> None:
+def test_loaded_layers_are_repacked_for_decode(spec: Int4Spec, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int4_rows, "DECODE_LAYOUT", layout)
     layer, _ = loaded_layer(spec, 256, [16, 8, 8])
-    assert layer.layout == "rows" and tuple(layer.qweight.shape) == (32, 32)
+    assert layer.layout == layout and tuple(layer.qweight.shape) == (32, 32)
     with pytest.raises(AssertionError, match="repacked"):
         layer.load_shard("scales", torch.zeros(4, 16, dtype=torch.float16), 0)
 
@@ -171,14 +179,23 @@ def test_act_order_and_odd_shapes_keep_gptq() -> None:
     assert layer.layout == "gptq"
 
 
+def test_groups_of_16_fall_back_to_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int4_rows, "DECODE_LAYOUT", "pairs")  # runs of 32 would straddle groups
+    layer, _ = loaded_layer(Int4Spec("gptq", 16, 1), 256, [16])
+    assert layer.layout == "rows"
+
+
+@pytest.mark.parametrize("layout", ["rows", "pairs"])
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_dummy_weights_are_repacked_as_rows(method: str) -> None:
+def test_dummy_weights_are_repacked_for_decode(method: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int4_rows, "DECODE_LAYOUT", layout)
     spec = Int4Spec(method, 128, 1 if method == "gptq" else 0)
     layer = Int4Linear(spec, 256, [24], bias=False, dtype=torch.float32, device=torch.device("cpu"))
     layer.init_dummy(torch.Generator().manual_seed(8))
-    assert layer.layout == "rows"
+    assert layer.layout == layout
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(9))
-    gptq = rows_to_gptq(layer.qweight)
+    unpack = int4_rows.unpack_rows_layout if layout == "rows" else int4_rows.unpack_pairs_layout
+    gptq = pack_rows(unpack(layer.qweight))
     expected = int4_reference.int4_gemm(x, gptq, layer.qzeros, layer.scales, None, 128, "gptq", spec.zero_offset)
     assert torch.equal(layer(x), expected)
 

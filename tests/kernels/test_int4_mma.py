@@ -12,9 +12,10 @@ import dataclasses
 import pytest
 import torch
 
+import kernels
 from kernels import int4_reference
-from kernels.int4_rows import gptq_to_pairs, unpack_pairs_layout
-from kernels.triton_int4_mma import MmaConfig, int4_mma, pick_mma_config
+from kernels.int4_rows import gptq_to_pairs, pairs_layout_fits, unpack_pairs_layout
+from kernels.triton_int4_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
 from tests.kernels.test_int4_gemv import DEVICE, cuda_only, gptq_tensors, randn, reference
 
 # x and the weights 128 + q are bf16 (exact), products and sums fp32: the result rounds once
@@ -35,10 +36,14 @@ def test_pairs_repack_is_exact_and_places_each_input() -> None:
         assert (half >> (4 * p)) & 0xF == int(q[128 * block + 32 * p + c, out])
 
 
-CONFIGS = [MmaConfig(16, 16, 1), MmaConfig(32, 16, 3, num_stages=2), MmaConfig(16, 16, 2, num_stages=1)]
+CONFIGS = [
+    MmaConfig(16, 16, 1),
+    MmaConfig(32, 16, 3, num_stages=2, xsum=True),
+    MmaConfig(16, 16, 2, num_stages=1, early=True),
+]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split3", "split2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split3-xsum", "split2-early"])
 @pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (256, 1)], ids=["g32", "g128", "g256"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int) -> None:
@@ -62,13 +67,49 @@ def test_int4_mma_rows_of_x_past_one_tile() -> None:
     torch.testing.assert_close(actual, reference(x, t, 128, 1), atol=TOLERANCE, rtol=TOLERANCE)
 
 
+def test_pairs_layout_fits() -> None:
+    assert pairs_layout_fits(4096, 128) and pairs_layout_fits(14336, 128) and pairs_layout_fits(256, -1)
+    assert pairs_layout_fits(256, 32) and pairs_layout_fits(512, 256)
+    assert not pairs_layout_fits(256, 16)  # a run of 32 inputs would straddle two groups
+    assert not pairs_layout_fits(96, 32) and not pairs_layout_fits(384, 96)
+
+
+@pytest.mark.parametrize("group_size", [64, 256])
+def test_dequantize_pairs(group_size: int) -> None:
+    t = gptq_tensors(512, 40, group_size, 1)
+    weight = dequantize_pairs(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], group_size, 1, torch.float32)
+    expected = int4_reference.dequantize(t["qweight"], t["qzeros"], t["scales"], None, group_size, "gptq", 1)
+    torch.testing.assert_close(weight, expected, atol=0, rtol=0)
+
+
+def test_dispatch_pairs_on_cpu_is_the_reference() -> None:
+    k, n = 256, 24
+    t = {name: tensor.cpu() for name, tensor in gptq_tensors(k, n, 128, 1).items()}
+    x = torch.randn(3, k)
+    actual = kernels.int4_gemm(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    expected = int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
 @cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("k", "n"), [(4096, 6144), (14336, 4096)])
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_int4_mma_llama_shapes(k: int, n: int, m: int) -> None:
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 200])
+def test_int4_mma_llama_shapes(k: int, n: int, m: int, dtype: torch.dtype) -> None:
+    # Through the dispatch: tensor cores up to 128 rows, then cuBLAS on the dequantized weight.
     t = gptq_tensors(k, n, 128, 1)
-    x = randn(m, k, dtype=torch.bfloat16, seed=6)
-    config = pick_mma_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    x = randn(m, k, dtype=dtype, seed=6)
+    actual = kernels.int4_gemm(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1).float()
+    expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
+    assert float((actual - expected).norm() / expected.norm()) < 4e-3
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [MmaConfig(64, 16, 5, num_warps=1), MmaConfig(128, 16, 3, num_warps=4, early=True, xsum=True)])
+def test_int4_mma_other_configs_on_gpu(config: MmaConfig) -> None:
+    k, n = 4096, 4096
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(1, k, dtype=torch.bfloat16, seed=8)
     actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, config).float()
     expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
     assert float((actual - expected).norm() / expected.norm()) < 4e-3
