@@ -119,7 +119,7 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
         row[f"m{m}_rows_us"] = round(timed(old), 2)
         sweep = []
         default = pick_mma_config(m, n, k, num_sms)
-        configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, *c) for c in MMA_SWEEP]
+        configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e, xs) for bn, w, st, pps, e, xs in MMA_SWEEP]
         for cfg in configs:
             calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
             sweep.append((round(timed(calls), 2), f"{'default ' if cfg is default else ''}{cfg}"))
