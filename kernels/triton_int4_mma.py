@@ -61,6 +61,12 @@ def _weights(halves, zero, P: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr
     if not PTX:
         q = (halves >> (4 * P)) & 0xF
         return (q - zero).to(tl.float32) if SUB else (q + 128).to(tl.float32)
+    else:
+        return _weights_ptx(halves, zero, P, SUB, FP16)
+
+
+@triton.jit
+def _weights_ptx(halves, zero, P: tl.constexpr, SUB: tl.constexpr, FP16: tl.constexpr):
     # shr by 4 P (none for P = 0), then the pair's nibbles or'ed into OFFSET's bits
     if P == 0:
         shift: tl.constexpr = "mov.b32 t, $1;"
@@ -71,23 +77,31 @@ def _weights(halves, zero, P: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr
     else:
         shift: tl.constexpr = "shr.u32 t, $1, 12;"
     if FP16:
-        magic: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;"
-        sub: tl.constexpr = " sub.rn.f16x2 $0, t, $2; }"
-        offset_bits: tl.constexpr = 0x6400
-        dtype: tl.constexpr = tl.float16
+        magic16: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;"
+        if SUB:
+            zero_bits = tl.broadcast_to((0x6400 + zero).to(tl.int16), halves.shape)  # fp16 1024 + zero
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; " + shift + magic16 + " sub.rn.f16x2 $0, t, $2; }",
+                "=r,r,r", [halves, zero_bits], dtype=tl.float16, is_pure=True, pack=2,
+            )  # fmt: skip
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; " + shift + magic16 + " mov.b32 $0, t; }", "=r,r", [halves], dtype=tl.float16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
     else:
         magic: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea;"
-        sub: tl.constexpr = " sub.rn.bf16x2 $0, t, $2; }"
-        offset_bits: tl.constexpr = 0x4300
-        dtype: tl.constexpr = tl.bfloat16
-    if SUB:
-        zero_bits = tl.broadcast_to((offset_bits + zero).to(tl.int16), halves.shape)  # OFFSET + zero
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; " + shift + magic + sub, "=r,r,r", [halves, zero_bits], dtype=dtype, is_pure=True, pack=2
-        )
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t; " + shift + magic + " mov.b32 $0, t; }", "=r,r", [halves], dtype=dtype, is_pure=True, pack=2
-    )
+        if SUB:
+            zero_bits = tl.broadcast_to((0x4300 + zero).to(tl.int16), halves.shape)  # bf16 128 + zero
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; " + shift + magic + " sub.rn.bf16x2 $0, t, $2; }",
+                "=r,r,r", [halves, zero_bits], dtype=tl.bfloat16, is_pure=True, pack=2,
+            )  # fmt: skip
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; " + shift + magic + " mov.b32 $0, t; }", "=r,r", [halves], dtype=tl.bfloat16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
 
 
 @triton.jit

@@ -8,6 +8,11 @@ With one: the PTX conversion at Llama-8B shapes, and a CUDA graph replay.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -131,3 +136,42 @@ def test_int4_mma_graph_replay_resets_semaphores() -> None:
         torch.cuda.synchronize()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
     assert DEVICE == "cuda"
+
+
+# Compiled for sm_90 without a GPU (benchmarks/kernel_sass.py, in a process without the
+# interpreter): the PTX conversion, which the interpreter does not run, builds, and the loop
+# holds the two-weight instructions and the MMAs it should.
+_COMPILE = """
+import json, sys
+from benchmarks.kernel_sass import main_loop, sass
+from kernels import triton_int4_mma
+fp16, xsum = sys.argv[1] == "1", sys.argv[2] == "1"
+signature = {
+    "x_ptr": "*fp16" if fp16 else "*bf16", "halves_ptr": "*i16", "qzeros_ptr": "*i32", "scales_ptr": "*bf16",
+    "bias_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "y_ptr": "*fp16" if fp16 else "*bf16", "M": "i32",
+    "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_hn": "i32", "group_size": "i32",
+    "split_k": "i32",
+}
+constexprs = dict(
+    ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, GROUP_P=4, NUM_STAGES=3, PTX=True, FP16=fp16, PDL=True,
+    EARLY=True, XSUM=xsum,
+)
+print(json.dumps(main_loop(sass(triton_int4_mma._pairs_mma_kernel, signature, constexprs, num_warps=2))))
+"""
+
+
+@pytest.mark.parametrize(("fp16", "xsum"), [(False, False), (True, False), (False, True)], ids=["bf16", "fp16", "bf16-xsum"])
+def test_sm90_code_of_the_ptx_conversion(fp16: bool, xsum: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(int(fp16)), str(int(xsum))],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    ops = json.loads(out.stdout.strip().splitlines()[-1])
+    # 64 x 128 weights over 64 threads: 128 each, two per 32-bit register, 4 nibbles per half
+    assert ops["LOP3.LUT"] >= 64 and ops["SHF.R.U32.HI"] == 48
+    assert ops.get("HADD2" if fp16 else "HADD2.BF16_V2", 0) == (0 if xsum else 64)
+    assert ops["HMMA.16816.F32" if fp16 else "HMMA.16816.F32.BF16"] == 32 + (16 if xsum else 0)
