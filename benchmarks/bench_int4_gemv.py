@@ -117,6 +117,10 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
         else:
             old = [functools.partial(int4_gemm_rows, x, s["rows"], s["qzeros"], s["scales"], GROUP, 1) for s in sets]
         row[f"m{m}_rows_us"] = round(timed(old), 2)
+        if m == 1:  # the same GEMV reading the pairs layout
+            cfg = pick_rows_config(n, k, num_sms)
+            calls = [functools.partial(gemv_rows, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg, True) for s in sets]
+            row["m1_pairs_gemv_us"] = round(timed(calls), 2)
         sweep = []
         default = pick_mma_config(m, n, k, num_sms)
         configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e, xs) for bn, w, st, pps, e, xs in MMA_SWEEP]

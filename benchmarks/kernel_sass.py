@@ -94,9 +94,14 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu)
         name = f"bf16 GEMV{', SiLU fused' if silu else ''}"
         out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128))
-    for block_n in (64, 128):  # pick_rows_config: 128 outputs above N = 4096, else 64; 2 warps
-        consts = dict(ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=block_n, UNROLL=1, GROUP_J=8, NUM_STAGES=3, PDL=True)
-        out.append((f"INT4 rows GEMV, {block_n} outputs", triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, block_n * 128 // 64))
+    for pairs in (False, True):
+        for block_n in (64, 128):  # pick_rows_config: 128 outputs above N = 4096, else 64; 2 warps
+            consts = dict(
+                ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=block_n, UNROLL=1, GROUP_J=4 if pairs else 8, NUM_STAGES=3,
+                PDL=True, PAIRS=pairs,
+            )  # fmt: skip
+            name = f"INT4 {'pairs' if pairs else 'rows'} GEMV, {block_n} outputs"
+            out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, block_n * 128 // 64))
     return out
 
 

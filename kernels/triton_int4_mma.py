@@ -36,6 +36,10 @@ from kernels.semaphores import semaphores
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
 DEQUANT_MIN_ROWS = 128
+# One row of x (batch-1 decode) through the tensor cores too (True), or through the
+# CUDA-core GEMV of kernels/triton_int4_rows.py, which reads the pairs layout as well (False:
+# 5-20% faster on 3 of the 4 llama-3.1-8b shapes on the H200, docs/benchmarks.md).
+ONE_ROW_ON_TENSOR_CORES = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -68,14 +72,12 @@ def _weights(halves, zero, P: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr
 @triton.jit
 def _weights_ptx(halves, zero, P: tl.constexpr, SUB: tl.constexpr, FP16: tl.constexpr):
     # shr by 4 P (none for P = 0), then the pair's nibbles or'ed into OFFSET's bits
-    if P == 0:
-        shift: tl.constexpr = "mov.b32 t, $1;"
-    elif P == 1:
-        shift: tl.constexpr = "shr.u32 t, $1, 4;"
-    elif P == 2:
-        shift: tl.constexpr = "shr.u32 t, $1, 8;"
-    else:
-        shift: tl.constexpr = "shr.u32 t, $1, 12;"
+    shift: tl.constexpr = (
+        "mov.b32 t, $1;" if P == 0
+        else "shr.u32 t, $1, 4;" if P == 1
+        else "shr.u32 t, $1, 8;" if P == 2
+        else "shr.u32 t, $1, 12;"
+    )  # fmt: skip
     if FP16:
         magic16: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;"
         if SUB:
@@ -311,4 +313,9 @@ def int4_gemm_pairs(
     group = k if group_size == -1 else group_size
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
+    if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
+        from kernels.triton_int4_rows import gemv_rows, pick_rows_config
+
+        config = pick_rows_config(n, k, num_sms)
+        return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, pairs=True)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

@@ -61,10 +61,13 @@ def _rows_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     N, K, stride_qn, group_size, split_k, exponent,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     """Program (0, N block, split). GROUP_J: nibble runs of 16 inputs per group, at most 8.
-    stride_qn (K / 8) is its own argument so that Triton sees it divisible by 16 (16-byte loads)."""
+    stride_qn (K / 8) is its own argument so that Triton sees it divisible by 16 (16-byte loads).
+    PAIRS: the weight is in the pairs layout (nibble p + 4 h of word w: input 32 p + 2 w + h),
+    read in the same loop: per p one load of x's 32 inputs, split into the two nibbles' vectors;
+    GROUP_J then counts runs of 32 inputs (at most 4)."""
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -73,6 +76,7 @@ def _rows_gemv_kernel(
     offs_w = tl.arange(0, 16)
     words = qweight_ptr + rows_n[:, None, None] * stride_qn + offs_u[None, :, None] * 16 + offs_w[None, None, :]
     x_offs = offs_u[:, None] * 128 + offs_w[None, :]  # [U, 16]: input of nibble 0 in the step
+    pair_offs = offs_u[:, None, None] * 128 + 2 * offs_w[None, :, None] + tl.arange(0, 2)[None, None, :]  # [U, 16, 2]
     zero_shift = ((rows_n % 8) * 4)[:, None]
     num_steps = K // (128 * UNROLL)
     per_split = tl.cdiv(num_steps, split_k)
@@ -87,12 +91,20 @@ def _rows_gemv_kernel(
         high = packed >> 12  # nibbles 5..7 at bits 8..19
         part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
         x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
-        for j in tl.static_range(8):
-            x = tl.load(x_ptr + k0 + 16 * j + x_offs).to(tl.float32)  # [U, 16]
-            part += _nibble_value(packed, high, exponent, j) * x[None, :, :]
-            x_sum += x
+        for j in tl.static_range(8 if not PAIRS else 4):
+            if PAIRS:  # nibbles j and j + 4: inputs 32 j + 2 w and 32 j + 2 w + 1
+                x_even, x_odd = tl.split(tl.load(x_ptr + k0 + 32 * j + pair_offs).to(tl.float32))  # [U, 16] each
+                part += _nibble_value(packed, high, exponent, j) * x_even[None, :, :]
+                part += _nibble_value(packed, high, exponent, j + 4) * x_odd[None, :, :]
+                x_sum += x_even + x_odd
+                first_input = 32 * j
+            else:
+                x = tl.load(x_ptr + k0 + 16 * j + x_offs).to(tl.float32)  # [U, 16]
+                part += _nibble_value(packed, high, exponent, j) * x[None, :, :]
+                x_sum += x
+                first_input = 16 * j
             if (j + 1) % GROUP_J == 0:
-                group = (k0 + offs_u * 128 + 16 * j) // group_size  # [U]
+                group = (k0 + offs_u * 128 + first_input) // group_size  # [U]
                 scale = tl.load(scales_ptr + group[None, :] * N + rows_n[:, None]).to(tl.float32)  # [BN, U]
                 packed_zero = tl.load(qzeros_ptr + group[None, :] * (N // 8) + rows_n[:, None] // 8)
                 zero = (((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)  # [BN, U]
@@ -152,9 +164,10 @@ def gemv_rows(
     group_size: int,
     zero_offset: int,
     config: RowsGemvConfig,
+    pairs: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ a rows-layout INT4 weight (qweight [N, K/8]) (+ bias) -> [1, N] in x's dtype;
-    group_size: inputs per group (K for one group)."""
+    group_size: inputs per group (K for one group). pairs: the weight is in the pairs layout."""
     x = x.contiguous()
     n, num_words = qweight.shape
     k = num_words * 8
@@ -168,8 +181,8 @@ def gemv_rows(
         x, qweight, qzeros, scales, bias if bias is not None else scales, workspace,
         semaphores("int4_gemv", x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
-        GROUP_J=min(8, group_size // 16), NUM_STAGES=config.num_stages, PDL=use_pdl, num_warps=config.num_warps,
-        launch_pdl=use_pdl,
+        GROUP_J=min(4, group_size // 32) if pairs else min(8, group_size // 16), NUM_STAGES=config.num_stages,
+        PDL=use_pdl, PAIRS=pairs, num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
 

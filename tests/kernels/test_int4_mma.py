@@ -21,7 +21,15 @@ import kernels
 from kernels import int4_reference
 from kernels.int4_rows import gptq_to_pairs, pairs_layout_fits, unpack_pairs_layout
 from kernels.triton_int4_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
-from tests.kernels.test_int4_gemv import DEVICE, cuda_only, gptq_tensors, randn, reference
+from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows
+from tests.kernels.test_int4_gemv import (
+    DEVICE,
+    GEMV_CONFIGS,
+    cuda_only,
+    gptq_tensors,
+    randn,
+    reference,
+)
 
 # x and the weights 128 + q are bf16 (exact), products and sums fp32: the result rounds once
 # to x's dtype; bf16's 8 bits give a relative error up to 2^-8 per output.
@@ -61,6 +69,20 @@ def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int) 
     expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(torch.bfloat16)
     assert actual.dtype == torch.bfloat16 and actual.shape == (m, n)
     torch.testing.assert_close(actual, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["split1", "split3", "unroll2"])
+@pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (256, 1)], ids=["g32", "g128", "g256"])
+def test_gemv_rows_on_the_pairs_layout(config: RowsGemvConfig, group_size: int, zero_offset: int) -> None:
+    # The CUDA-core batch-1 GEMV (kernels/triton_int4_rows.py) reading the pairs layout.
+    k, n = 512, 40
+    t = gptq_tensors(k, n, group_size, zero_offset)
+    x = randn(1, k, seed=2)
+    bias = randn(n, seed=3)
+    pairs = gptq_to_pairs(t["qweight"])
+    actual = gemv_rows(x, pairs, t["qzeros"], t["scales"], bias, group_size, zero_offset, config, pairs=True)
+    expected = reference(x, t, group_size, zero_offset) + bias
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_int4_mma_rows_of_x_past_one_tile() -> None:
@@ -110,12 +132,22 @@ def test_int4_mma_llama_shapes(k: int, n: int, m: int, dtype: torch.dtype) -> No
 
 
 @cuda_only
-@pytest.mark.parametrize("config", [MmaConfig(64, 16, 5, num_warps=1), MmaConfig(128, 16, 3, num_warps=4, early=True, xsum=True)])
-def test_int4_mma_other_configs_on_gpu(config: MmaConfig) -> None:
+@pytest.mark.parametrize(
+    "config", [MmaConfig(64, 16, 5, num_warps=1), MmaConfig(128, 16, 3, num_warps=4, early=True, xsum=True), None]
+)
+def test_int4_mma_other_configs_on_gpu(config: MmaConfig | None) -> None:
+    # None: one row on the tensor cores through the dispatch (ONE_ROW_ON_TENSOR_CORES).
     k, n = 4096, 4096
     t = gptq_tensors(k, n, 128, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=8)
-    actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, config).float()
+    if config is None:
+        from kernels import triton_int4_mma
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(triton_int4_mma, "ONE_ROW_ON_TENSOR_CORES", True)
+            actual = kernels.int4_gemm(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1).float()
+    else:
+        actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, config).float()
     expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
     assert float((actual - expected).norm() / expected.norm()) < 4e-3
 
