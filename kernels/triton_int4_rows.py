@@ -57,6 +57,20 @@ def _nibble_value(packed, high, exponent, J: tl.constexpr):
 
 
 @triton.jit
+def _input_pairs(x_ptr, start, pair_offs):
+    """x[start + 2 i] and x[start + 2 i + 1] as fp32, i = pair_offs ([U, 16]; start even). A
+    16-bit x is read as 32-bit pairs, so one vector load serves both, split by bit operations
+    (a bf16's bits are the top half of its fp32); fp32 x is read twice with stride 2."""
+    if x_ptr.dtype.element_ty == tl.float32:
+        return tl.load(x_ptr + start + 2 * pair_offs), tl.load(x_ptr + start + 2 * pair_offs + 1)
+    pairs = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + start // 2 + pair_offs)
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        return (pairs << 16).to(tl.float32, bitcast=True), (pairs & 0xFFFF0000).to(tl.float32, bitcast=True)
+    even = (pairs & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, (pairs >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _rows_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     N, K, stride_qn, group_size, split_k, exponent,
@@ -76,7 +90,7 @@ def _rows_gemv_kernel(
     offs_w = tl.arange(0, 16)
     words = qweight_ptr + rows_n[:, None, None] * stride_qn + offs_u[None, :, None] * 16 + offs_w[None, None, :]
     x_offs = offs_u[:, None] * 128 + offs_w[None, :]  # [U, 16]: input of nibble 0 in the step
-    pair_offs = offs_u[:, None, None] * 128 + 2 * offs_w[None, :, None] + tl.arange(0, 2)[None, None, :]  # [U, 16, 2]
+    pair_offs = offs_u[:, None] * 64 + offs_w[None, :]  # [U, 16]: the 32-bit pair of inputs 2 w, 2 w + 1
     zero_shift = ((rows_n % 8) * 4)[:, None]
     num_steps = K // (128 * UNROLL)
     per_split = tl.cdiv(num_steps, split_k)
@@ -93,7 +107,7 @@ def _rows_gemv_kernel(
         x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
         for j in tl.static_range(8 if not PAIRS else 4):
             if PAIRS:  # nibbles j and j + 4: inputs 32 j + 2 w and 32 j + 2 w + 1
-                x_even, x_odd = tl.split(tl.load(x_ptr + k0 + 32 * j + pair_offs).to(tl.float32))  # [U, 16] each
+                x_even, x_odd = _input_pairs(x_ptr, k0 + 32 * j, pair_offs)  # [U, 16] each
                 part += _nibble_value(packed, high, exponent, j) * x_even[None, :, :]
                 part += _nibble_value(packed, high, exponent, j + 4) * x_odd[None, :, :]
                 x_sum += x_even + x_odd

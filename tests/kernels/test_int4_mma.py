@@ -25,6 +25,7 @@ from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows
 from tests.kernels.test_int4_gemv import (
     DEVICE,
     GEMV_CONFIGS,
+    GEMV_TOLERANCES,
     cuda_only,
     gptq_tensors,
     randn,
@@ -71,18 +72,21 @@ def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int) 
     torch.testing.assert_close(actual, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["split1", "split3", "unroll2"])
 @pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (256, 1)], ids=["g32", "g128", "g256"])
-def test_gemv_rows_on_the_pairs_layout(config: RowsGemvConfig, group_size: int, zero_offset: int) -> None:
-    # The CUDA-core batch-1 GEMV (kernels/triton_int4_rows.py) reading the pairs layout.
+def test_gemv_rows_on_the_pairs_layout(config: RowsGemvConfig, group_size: int, zero_offset: int, dtype: torch.dtype) -> None:
+    # The CUDA-core batch-1 GEMV (kernels/triton_int4_rows.py) reading the pairs layout; a
+    # 16-bit x is read as 32-bit pairs, fp32 x element by element.
     k, n = 512, 40
     t = gptq_tensors(k, n, group_size, zero_offset)
-    x = randn(1, k, seed=2)
-    bias = randn(n, seed=3)
+    x = randn(1, k, dtype=dtype, seed=2)
+    bias = randn(n, dtype=dtype, seed=3)
     pairs = gptq_to_pairs(t["qweight"])
     actual = gemv_rows(x, pairs, t["qzeros"], t["scales"], bias, group_size, zero_offset, config, pairs=True)
-    expected = reference(x, t, group_size, zero_offset) + bias
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(dtype)
+    tol = GEMV_TOLERANCES[dtype]
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
 
 def test_int4_mma_rows_of_x_past_one_tile() -> None:
