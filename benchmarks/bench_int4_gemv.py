@@ -89,16 +89,13 @@ def gemv_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], ban
     print(json.dumps(row), flush=True)
 
 
-# (block_n, num_warps, num_stages, programs per SM, early, xsum) of the tensor-core kernel
-# (kernels/triton_int4_mma.py): tiles and splits with the early first block, then the early
-# read and the zeros through sum x each way on three tiles.
+# (block_n, num_warps, num_stages, programs per SM, early) of the tensor-core kernel
+# (kernels/triton_int4_mma.py): tiles and splits with the early first block, then without it
+# on three tiles.
 MMA_SWEEP = [
-    (bn, w, st, pps, True, False)
+    (bn, w, st, pps, True)
     for (bn, w), st, pps in itertools.product(((32, 1), (64, 1), (64, 2), (128, 2), (128, 4)), (2, 3), (4, 8, 16))
-] + [
-    (bn, w, 3, 8, early, xsum)
-    for (bn, w), (early, xsum) in itertools.product(((64, 1), (64, 2), (128, 2)), ((False, False), (True, True), (False, True)))
-]
+] + [(bn, w, 3, 8, False) for bn, w in ((64, 1), (64, 2), (128, 2))]
 
 
 def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool) -> None:
@@ -123,7 +120,7 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
             row["m1_pairs_gemv_us"] = round(timed(calls), 2)
         sweep = []
         default = pick_mma_config(m, n, k, num_sms)
-        configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e, xs) for bn, w, st, pps, e, xs in MMA_SWEEP]
+        configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP]
         for cfg in configs:
             calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
             sweep.append((round(timed(calls), 2), f"{'default ' if cfg is default else ''}{cfg}"))

@@ -1,23 +1,31 @@
-"""INT4 products of few rows (batch-1 and small-batch decode) on the tensor cores, on the
-"pairs" layout (kernels/int4_rows.py): the weight is the tall operand of tl.dot, x^T (its
-rows zero-padded to BLOCK_M) the narrow one.
+"""INT4 products of a few rows of x (batched decode, 2..128 rows) on the tensor cores, on
+the "pairs" layout (kernels/int4_rows.py): the weight is the tall operand of tl.dot, x^T
+(its rows zero-padded to BLOCK_M) the narrow one. One row (batch-1 decode) goes to the
+CUDA-core GEMV of kernels/triton_int4_rows.py, which reads the pairs layout too and was
+faster there on the H200 (ONE_ROW_ON_TENSOR_CORES; docs/benchmarks.md).
 
-Why tensor cores at M = 1: a CUDA-core GEMV spends an fma per weight on the product and
-more on turning a nibble into a number, 4.4-5.1 instructions per weight, and the H200 can
-issue about 3.6 per weight while streaming 4-bit weights at its bandwidth
-(docs/benchmarks.md, "The INT4 GEMV on the rows layout"). Here a 32-bit register of the
-weight tile holds two adjacent inputs of one output (two 16-bit halves of a word), and
-one shift plus one LOP3 turn it into the two bf16 numbers 128 + q the tensor cores take
-as is: (h >> 4p) & 0x000F000F | 0x43004300 read as two bf16 is 128 + q_lo, 128 + q_hi
-(exact: bf16 holds integers to 256). The multiply-add is the MMA's. Per group the zero
-and the 128 come out with the sum of x:  y_n = sum_g s_gn (sum_k (128 + q_kn) x_k -
-(128 + z_gn) sum_k x_k).
+The weight tile is converted in registers, two weights per 32-bit register: the two
+16-bit halves of a word hold two adjacent inputs of one output, which is what the MMA's
+operand layout keeps in one register, so one shift, one LOP3 and one x2 subtract make two
+numbers the tensor cores take as they are:
+
+    (word >> 4p) & 0x000F000F | 0x43004300   two bf16 128 + q (the nibble in 128's mantissa)
+    minus (128 + zero, 128 + zero)            two bf16 q - zero, exact (|q - zero| <= 16)
+
+(fp16 x: 0x6400, 1024 + q.) Products and sums are fp32 in the MMA; the group scale
+multiplies the partial sums: y_n = sum_g s_gn sum_k (q_kn - z_gn) x_k, so only x is
+rounded (it arrives in bf16 or fp16). That is 2.4 instructions per weight in the loop,
+against 4.5-5.1 in the CUDA-core GEMV, yet at one row the GEMV stayed faster on the H200
+(the MMA pads x to 16 rows and the loop is latency-bound at these sizes); at 4 and 16 rows
+a llama-3.1-8b layer's four products take 0.58x the time of the rows layout's tl.dot tiles
+(which dequantize every weight in fp32 and add split-K partials with atomics), at 64 rows 0.65x.
 
 Programs are (BLOCK_M rows of x, BLOCK_N outputs, one of split_k ranges of K blocks);
 split partials meet in a workspace under a semaphore (kernels/semaphores.py), the last
-program of a tile writes y, so a product is one launch. The wrappers read only shapes:
-graph-capturable. Under the Triton interpreter (CPU tests) the conversion is written
-with plain ops (inline PTX does not run there); both give the same bf16 numbers.
+program of a tile writes y, so a product is one launch. With PDL a program reads its first
+block of weights before gdc_wait (kernels/pdl.py). The wrappers read only shapes:
+graph-capturable. Under the Triton interpreter (CPU tests), and for fp32 x, the weights
+are made with plain ops as fp32 numbers (inline PTX does not run there): the same values.
 """
 
 from __future__ import annotations
@@ -36,10 +44,12 @@ from kernels.semaphores import semaphores
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
 DEQUANT_MIN_ROWS = 128
-# One row of x (batch-1 decode) through the tensor cores too (True), or through the
-# CUDA-core GEMV of kernels/triton_int4_rows.py, which reads the pairs layout as well (False:
-# 5-20% faster on 3 of the 4 llama-3.1-8b shapes on the H200, docs/benchmarks.md).
+# One row of x (batch-1 decode) on the tensor cores too (True), or through the CUDA-core
+# GEMV of kernels/triton_int4_rows.py on the same layout (False: batch-1 decode of
+# llama-3.1-8b 3.04 ms against 3.20 on the H200, docs/benchmarks.md).
 ONE_ROW_ON_TENSOR_CORES = False
+# Under PDL, each program reads its first block of weights before waiting for x.
+EARLY_FIRST_BLOCK = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -48,76 +58,53 @@ class MmaConfig:
     block_n: int  # outputs per program
     block_m: int  # rows of x per program (16: the narrowest tl.dot)
     split_k: int
-    num_warps: int = 1
+    num_warps: int = 2
     num_stages: int = 3  # weight tiles in flight per program (cp.async into shared memory)
     early: bool = False  # under PDL, read the first block's weights before the wait
-    xsum: bool = False  # zeros out with sum x (one more tl.dot) instead of a subtract per weight
 
 
 @triton.jit
-def _weights(halves, zero, P: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr, FP16: tl.constexpr):
-    """Nibble P of each int16 half as a number: q - zero with SUB (zero: int32 [BN, 1], the
-    group's zero of each output), else OFFSET + q (OFFSET: 128 in bf16, 1024 in fp16);
-    exact either way. With PTX two adjacent halves of a row share a 32-bit register in the
-    tl.dot operand layout, so a shift and a LOP3 (the pair as OFFSET + q: the nibble in the
-    low mantissa bits of OFFSET) and with SUB one x2 subtract of OFFSET + zero make two
-    weights. Without PTX (the interpreter, fp32 x): fp32 numbers."""
+def _weights(halves, zero, P: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr):
+    """q - zero of nibble P of each int16 half (zero: int32 [BN, 1], the group's zero of each
+    output), exact: as bf16 (fp16 with FP16) through PTX, else as fp32."""
     if not PTX:
-        q = (halves >> (4 * P)) & 0xF
-        return (q - zero).to(tl.float32) if SUB else (q + 128).to(tl.float32)
+        return (((halves >> (4 * P)) & 0xF) - zero).to(tl.float32)
     else:
-        return _weights_ptx(halves, zero, P, SUB, FP16)
+        return _weights_ptx(halves, zero, P, FP16)
 
 
 @triton.jit
-def _weights_ptx(halves, zero, P: tl.constexpr, SUB: tl.constexpr, FP16: tl.constexpr):
-    # shr by 4 P (none for P = 0), then the pair's nibbles or'ed into OFFSET's bits
+def _weights_ptx(halves, zero, P: tl.constexpr, FP16: tl.constexpr):
+    """Two weights per 32-bit register (the module docstring): shr by 4 P (none for P = 0),
+    LOP3 of the pair's nibbles into OFFSET's mantissa, x2 subtract of OFFSET + zero."""
     shift: tl.constexpr = (
         "mov.b32 t, $1;" if P == 0
         else "shr.u32 t, $1, 4;" if P == 1
         else "shr.u32 t, $1, 8;" if P == 2
         else "shr.u32 t, $1, 12;"
     )  # fmt: skip
-    if FP16:
-        magic16: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;"
-        if SUB:
-            zero_bits = tl.broadcast_to((0x6400 + zero).to(tl.int16), halves.shape)  # fp16 1024 + zero
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; " + shift + magic16 + " sub.rn.f16x2 $0, t, $2; }",
-                "=r,r,r", [halves, zero_bits], dtype=tl.float16, is_pure=True, pack=2,
-            )  # fmt: skip
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; " + shift + magic16 + " mov.b32 $0, t; }", "=r,r", [halves], dtype=tl.float16,
-                is_pure=True, pack=2,
-            )  # fmt: skip
-    else:
-        magic: tl.constexpr = " lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea;"
-        if SUB:
-            zero_bits = tl.broadcast_to((0x4300 + zero).to(tl.int16), halves.shape)  # bf16 128 + zero
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; " + shift + magic + " sub.rn.bf16x2 $0, t, $2; }",
-                "=r,r,r", [halves, zero_bits], dtype=tl.bfloat16, is_pure=True, pack=2,
-            )  # fmt: skip
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; " + shift + magic + " mov.b32 $0, t; }", "=r,r", [halves], dtype=tl.bfloat16,
-                is_pure=True, pack=2,
-            )  # fmt: skip
+    if FP16:  # OFFSET 1024
+        zero_bits = tl.broadcast_to((0x6400 + zero).to(tl.int16), halves.shape)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; " + shift + " lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; sub.rn.f16x2 $0, t, $2; }",
+            "=r,r,r", [halves, zero_bits], dtype=tl.float16, is_pure=True, pack=2,
+        )  # fmt: skip
+    else:  # bf16, OFFSET 128
+        zero_bits = tl.broadcast_to((0x4300 + zero).to(tl.int16), halves.shape)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; " + shift + " lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; sub.rn.bf16x2 $0, t, $2; }",
+            "=r,r,r", [halves, zero_bits], dtype=tl.bfloat16, is_pure=True, pack=2,
+        )  # fmt: skip
 
 
 @triton.jit
 def _block_product(
     acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
     ZERO_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr,
-    XSUM: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, BM] + the products of one block of 128 inputs (halves: its [BN, 32] int16)."""
     BLOCK_N: tl.constexpr = halves.shape[0]
     part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if XSUM:
-        ones = tl.where(tl.arange(0, 16)[:, None] == 0, 1.0, 0.0).to(tl.bfloat16) + tl.zeros((16, 32), tl.bfloat16)
-        x_sum = tl.zeros((16, BLOCK_M), dtype=tl.float32)
     for p in tl.static_range(4):
         if p % GROUP_P == 0:
             group = (block * 128 + 32 * p) // group_size
@@ -125,18 +112,9 @@ def _block_product(
             packed_zero = tl.load(qzeros_ptr + group * (N // 8) + rows_n // 8)
             zero = ((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET  # [BN]
         x_t = tl.load(x_rows + block * 128 + 32 * p, mask=mask_m[None, :], other=0.0)  # [32, BM]
-        if XSUM:
-            w = _weights(halves, zero[:, None], p, PTX, False, FP16)  # OFFSET + q
-            x_sum = tl.dot(ones.to(w.dtype), x_t.to(w.dtype), x_sum, input_precision="ieee" if not PTX else None)
-        else:
-            w = _weights(halves, zero[:, None], p, PTX, True, FP16)
+        w = _weights(halves, zero[:, None], p, PTX, FP16)
         part = tl.dot(w, x_t.to(w.dtype), part, input_precision="ieee" if not PTX else None)
         if (p + 1) % GROUP_P == 0:
-            if XSUM:
-                total_x = tl.sum(x_sum, axis=0)  # row 0 of ones is 1, the rest 0: exact
-                offset = (1024 if FP16 else 128) if PTX else 128
-                part -= (zero + offset).to(tl.float32)[:, None] * total_x[None, :]
-                x_sum = tl.zeros((16, BLOCK_M), dtype=tl.float32)
             acc += scale[:, None] * part
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     return acc
@@ -148,7 +126,7 @@ def _pairs_mma_kernel(
     M, N, K, stride_xm, stride_ym, stride_hn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_P: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, XSUM: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     """Program (M block, N block, split). halves: the qweight as int16 [N, K/4]; half c of a
     block, nibble p, is input 32 p + c of the block. GROUP_P: runs of 32 inputs per group
@@ -168,12 +146,12 @@ def _pairs_mma_kernel(
     weights = halves_ptr + rows_n[:, None] * stride_hn + offs_c[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL and EARLY:
-        early = tl.load(weights + first * 32, mask=first < last, other=0)  # weights: not written by the kernel before
+        early = tl.load(weights + first * 32, mask=first < last, other=0)  # weights: no kernel of the chain writes them
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
         if first < last:
             acc = _block_product(
                 acc, early, first, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
-                ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, XSUM,
+                ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
             )  # fmt: skip
         first += 1
     elif PDL:
@@ -181,7 +159,7 @@ def _pairs_mma_kernel(
     for block in tl.range(first, last, num_stages=NUM_STAGES):
         acc = _block_product(
             acc, tl.load(weights + block * 32), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
-            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, XSUM,
+            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
         )  # fmt: skip
     _reduce_tiles(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
@@ -215,7 +193,7 @@ def _reduce_tiles(
 
 def pick_mma_config(
     m: int, n: int, k: int, num_sms: int, block_n: int = 64, num_warps: int = 2, programs_per_sm: int = 8,
-    num_stages: int = 3, early: bool = True, xsum: bool = False,
+    num_stages: int = 3, early: bool | None = None,
 ) -> MmaConfig:  # fmt: skip
     """Split K until about `programs_per_sm` programs per SM. Rows of x in tiles of 16 up to
     16 rows, else of 64. The defaults are benchmarks/bench_int4_gemv.py --mma's best on the
@@ -224,7 +202,7 @@ def pick_mma_config(
     num_blocks = k // PAIRS_BLOCK
     num_programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split_k = max(1, min(num_blocks, (programs_per_sm * num_sms) // num_programs))
-    return MmaConfig(block_n, block_m, split_k, num_warps, num_stages, early, xsum)
+    return MmaConfig(block_n, block_m, split_k, num_warps, num_stages, EARLY_FIRST_BLOCK if early is None else early)
 
 
 def int4_mma(
@@ -257,7 +235,7 @@ def int4_mma(
         group_size, config.split_k,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16, PDL=use_pdl,
-        EARLY=config.early, XSUM=config.xsum,
+        EARLY=config.early,
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
