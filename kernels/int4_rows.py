@@ -1,16 +1,21 @@
-"""The "rows" INT4 layout: GPTQ's weights repacked at load so that each output's inputs are
-contiguous, which is what a batch-1 GEMV wants (kernels/triton_int4_rows.py reads it).
+"""INT4 layouts for decode: GPTQ's weights repacked at load so that each output's inputs are
+contiguous, which is what a batch-1 GEMV wants. Two of them, both qweight int32 [N, K/8]
+(row n holds output n; inputs in blocks of ROW_BLOCK = 128), zeros and scales GPTQ's:
 
-  qweight int32 [N, K/8]   row n holds output n; inputs come in blocks of ROW_BLOCK = 128:
-                           nibble j (bits 4j..4j+3) of word w of block b holds input
-                           128 b + 16 j + w  (w < 16)
-  qzeros, scales           GPTQ's, unchanged ([G, N/8] sequential nibbles, [G, N])
+  "rows"   nibble j (bits 4j..4j+3) of word w of block b holds input 128 b + 16 j + w:
+           the j-th nibbles of a block's 16 words are 16 consecutive inputs.
+  "pairs"  nibble i of word w of block b holds input 128 b + 32 (i % 4) + 2 w + i // 4:
+           read as int16 halves, nibble p of half c holds input 128 b + 32 p + c, so the
+           two halves of a word are adjacent inputs, what a tensor-core operand register
+           holds (kernels/triton_int4_mma.py); the CUDA-core GEMV reads it too.
 
-So the j-th nibbles of a block's 16 words are 16 consecutive inputs: a kernel reads the
-matching x as one contiguous vector per nibble, and each run of 16 inputs sits in one group
-when the group size divides 128 or is a multiple of it (`rows_layout_fits`).
-The torch functions here are the definition: `rows_to_gptq(gptq_to_rows(w)) == w`, and
-kernels/int4_reference.py dequantizes a "rows" weight through `unpack_rows_layout` (the CPU path).
+kernels/triton_int4_rows.py reads both at one row of x (its `pairs` flag) and "rows" at
+2..128 rows; kernels/triton_int4_mma.py reads "pairs" at 2..128 rows. Int4Linear repacks
+into DECODE_LAYOUT where the layout fits (`pairs_layout_fits`: runs of 32 inputs within a
+group; `rows_layout_fits`: runs of 16), else into rows, else keeps GPTQ's.
+The torch functions here are the definition: `rows_to_gptq(gptq_to_rows(w)) == w`,
+`unpack_pairs_layout(gptq_to_pairs(w)) == unpack_rows(w)`, and kernels/int4_reference.py
+dequantizes both through them (the CPU path).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch
 from kernels.int4_reference import unpack_rows
 
 # The layout Int4Linear repacks GPTQ weights into (engine/quantization/int4_linear.py):
-# "pairs" (tensor-core kernels, kernels/triton_int4_mma.py) or "rows" (CUDA-core GEMV).
+# "pairs" (batch-1 3.04 ms against 3.07 for rows, and offline throughput 5,551 tok/s against
+# 4,250 on the H200, llama-3.1-8b; docs/benchmarks.md) or "rows".
 DECODE_LAYOUT = "pairs"
 ROW_BLOCK = 128  # inputs per block
 WORDS_PER_BLOCK = ROW_BLOCK // 8
@@ -77,10 +83,6 @@ def pairs_layout_fits(in_features: int, group_size: int) -> bool:
     return in_features % ROW_BLOCK == 0 and group % 32 == 0 and (ROW_BLOCK % group == 0 or group % ROW_BLOCK == 0)
 
 
-# The "pairs" layout (kernels/triton_int4_mma.py): qweight int32 [N, K/8], blocks of 128
-# inputs per output as in "rows", but nibble i of word w of block b holds input
-# 128 b + 32 (i % 4) + 2 w + i // 4: read as int16 halves, half c = 2 w + i // 4 holds
-# input 32 p + c in nibble p, so the two halves of a word are adjacent inputs.
 def gptq_to_pairs(qweight: torch.Tensor) -> torch.Tensor:
     """GPTQ qweight [K/8, N] -> pairs qweight [N, K/8] (the same 4-bit values)."""
     num_words, out_features = qweight.shape

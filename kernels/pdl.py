@@ -9,8 +9,9 @@ before lets it start early by calling `gdc_launch_dependents()`; without that ca
 dependent starts once every program of the one before has exited.
 
 Every kernel of the batch-1 decode chain is launched so. The GEMVs (kernels/triton_linear.py,
-kernels/triton_gemv.py, kernels/triton_int4_rows.py) load their first weight tile before
-`gdc_wait()`; the small kernels between them (fused add + RMS norm, rotary + KV write, the
+kernels/triton_gemv.py; at 2..128 rows the INT4 kernels/triton_int4_mma.py) load their
+first weight tile before `gdc_wait()` (the INT4 GEMV of kernels/triton_int4_rows.py waits
+before its pipelined loop); the small kernels between them (fused add + RMS norm, rotary + KV write, the
 two decode-attention kernels, SiLU-and-mul) start with `dependent_start`: they let the next
 kernel launch, then wait. The decode attention that rotates and caches the new token
 itself (kernels/triton_decode_attention.py) loads its first tile of cached K/V before its

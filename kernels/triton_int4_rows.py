@@ -12,6 +12,9 @@ along K, GPTQ's zeros and scales), for groups of consecutive inputs.
   per group to the partial sums: y_n = sum_g s_gn * (sum_k q_kn x_k - z_gn * sum_k x_k).
   K may be split over SPLIT_K programs; their fp32 partials meet as in
   kernels/triton_int4_gemv.py (workspace + per-block semaphore, the last one writes y).
+  Under PDL it waits for x before its loop (whose pipeline issues the weight loads). The
+  same loop reads the pairs layout (`pairs=True`): nibble j + 4 h of word w is then input
+  32 j + 2 w + h, so per j one 32-bit load of x's pairs gives both nibbles' vectors.
 - 2..DEQUANT_MIN_ROWS rows: `int4_gemm_rows` multiplies, per nibble j of a block, the
   dequantized [BLOCK_N, 16] weight (rounded to x's dtype, as kernels/triton_int4_gemm.py's
   tiles do) by x^T [16, BLOCK_M] with tl.dot (wgmma: the weight is the tall operand); for

@@ -13,9 +13,12 @@ dim, sequential zeros, zero offset 0: GPTQ v2), which dequantizes to the same we
 AWQ's packing along the output dim with an interleave costs its kernels a per-element
 shuffle, and was 1.4x slower than GPTQ's at batch 1 on the H200 (docs/benchmarks.md).
 Then, without act-order and where the shapes allow (kernels/int4_rows.py), GPTQ's qweight
-is repacked once more into the rows layout (each output's inputs contiguous), which the
-batch-1 GEMV streams 1.1-1.4x faster; zeros and scales keep GPTQ's layout. Both repacks
-are exact, and loading ends with them: load_shard refuses tensors afterwards.
+is repacked once more, into the pairs layout (each output's inputs contiguous, adjacent
+inputs in the two halves of a word: the batch-1 GEMV streams it, and 2-128 rows of x run
+on the tensor cores, kernels/triton_int4_mma.py), or the rows layout where groups of 16
+inputs rule pairs out or `int4_rows.DECODE_LAYOUT` asks for it; zeros and scales keep
+GPTQ's layout. The repacks are exact, and loading ends with them: load_shard refuses
+tensors afterwards.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class Int4Spec:
 class Int4Linear(nn.Module):
     """x [T, in_features] -> [T, out_features] through INT4 weights of one format."""
 
-    qweight: torch.Tensor  # int32, GPTQ [K/8, N], AWQ [K, N/8], rows [N, K/8] (after loading)
+    qweight: torch.Tensor  # int32, GPTQ [K/8, N], AWQ [K, N/8], pairs or rows [N, K/8] (after loading)
     qzeros: torch.Tensor  # int32 [G, N/8]
     scales: torch.Tensor  # fp16 [G, N]
     g_idx: torch.Tensor  # int32 [K] (GPTQ only)
@@ -106,7 +109,7 @@ class Int4Linear(nn.Module):
         # act_order: g_idx is not groups of consecutive inputs, so the kernel gathers by it.
         self.act_order = False
         # The layout the tensors are in now: the checkpoint's, until finish_loading repacks
-        # AWQ as GPTQ and GPTQ as rows (see the module docstring).
+        # AWQ as GPTQ and GPTQ as pairs or rows (see the module docstring).
         self.layout = spec.method
         self._loaded: set[tuple[str, int]] = set()  # (tensor, part) pairs seen by load_shard
         shapes = spec.shapes(in_features, self.out_features)
