@@ -20,6 +20,8 @@ dequantizes both through them (the CPU path).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.int4_reference import unpack_rows
@@ -47,17 +49,23 @@ def _pack_last(values: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def gptq_to_rows(qweight: torch.Tensor) -> torch.Tensor:
-    """GPTQ qweight [K/8, N] -> rows qweight [N, K/8] (the same 4-bit values)."""
+def _repack(qweight: torch.Tensor, words_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """GPTQ qweight [K/8, N] -> [N, K/8] words, _CHUNK outputs at a time: words_of maps
+    values [K, n] to their words [n, K/8] in the new layout."""
     num_words, out_features = qweight.shape
     assert (num_words * 8) % ROW_BLOCK == 0, f"{num_words * 8} inputs are not whole blocks of {ROW_BLOCK}"
-    parts = []
-    for start in range(0, out_features, _CHUNK):
-        q = unpack_rows(qweight[:, start : start + _CHUNK])  # [K, n]
-        n = q.shape[1]
-        blocks = q.reshape(-1, 8, WORDS_PER_BLOCK, n)  # [B, j, w, n]: input 128 b + 16 j + w
-        parts.append(_pack_last(blocks.permute(3, 0, 2, 1)).reshape(n, num_words))  # [n, B, w] words
+    parts = [words_of(unpack_rows(qweight[:, start : start + _CHUNK])) for start in range(0, out_features, _CHUNK)]
     return torch.cat(parts).contiguous()
+
+
+def gptq_to_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ qweight [K/8, N] -> rows qweight [N, K/8] (the same 4-bit values)."""
+
+    def words_of(q: torch.Tensor) -> torch.Tensor:
+        blocks = q.reshape(-1, 8, WORDS_PER_BLOCK, q.shape[1])  # [B, j, w, n]: input 128 b + 16 j + w
+        return _pack_last(blocks.permute(3, 0, 2, 1)).reshape(q.shape[1], -1)  # [n, B, w] words
+
+    return _repack(qweight, words_of)
 
 
 def unpack_rows_layout(rows: torch.Tensor) -> torch.Tensor:
@@ -85,15 +93,12 @@ def pairs_layout_fits(in_features: int, group_size: int) -> bool:
 
 def gptq_to_pairs(qweight: torch.Tensor) -> torch.Tensor:
     """GPTQ qweight [K/8, N] -> pairs qweight [N, K/8] (the same 4-bit values)."""
-    num_words, out_features = qweight.shape
-    assert (num_words * 8) % ROW_BLOCK == 0, f"{num_words * 8} inputs are not whole blocks of {ROW_BLOCK}"
-    parts = []
-    for start in range(0, out_features, _CHUNK):
-        q = unpack_rows(qweight[:, start : start + _CHUNK])  # [K, n]
-        n = q.shape[1]
-        blocks = q.reshape(-1, 4, WORDS_PER_BLOCK, 2, n)  # [B, p, w, h, n]: input 128 b + 32 p + 2 w + h
-        parts.append(_pack_last(blocks.permute(4, 0, 2, 3, 1).reshape(n, -1, 8)).reshape(n, num_words))
-    return torch.cat(parts).contiguous()
+
+    def words_of(q: torch.Tensor) -> torch.Tensor:
+        blocks = q.reshape(-1, 4, WORDS_PER_BLOCK, 2, q.shape[1])  # [B, p, w, h, n]: input 128 b + 32 p + 2 w + h
+        return _pack_last(blocks.permute(4, 0, 2, 3, 1).reshape(q.shape[1], -1, 8)).reshape(q.shape[1], -1)
+
+    return _repack(qweight, words_of)
 
 
 def unpack_pairs_layout(pairs: torch.Tensor) -> torch.Tensor:
