@@ -22,7 +22,7 @@ import torch
 import kernels
 from benchmarks.bench_gemv import copy_bandwidth, graph_seconds
 from kernels import int4_reference
-from kernels.int4_rows import gptq_to_pairs, gptq_to_rows, tile_rows
+from kernels.int4_rows import gptq_to_pairs, gptq_to_rows
 from kernels.triton_int4_gemm import int4_gemm
 from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
 from kernels.triton_int4_mma import int4_mma, pick_mma_config
@@ -130,41 +130,6 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
         print(json.dumps(row), flush=True)
 
 
-TILES = (64, 128)
-
-
-def tile_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float) -> None:
-    """The pairs layout with rows in tiles (int4_rows.tile_rows: a tile's words of one block
-    contiguous) against untiled, same run: the batch-1 GEMV (default config and a few
-    others) and the tensor-core kernel at 4 and 16 rows."""
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiled = {tile: [tile_rows(s["pairs"], tile) for s in sets] for tile in TILES}
-    row: dict[str, object] = {"shape": name}
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    ref = kernels.int4_gemm(x, sets[0]["pairs"], sets[0]["qzeros"], sets[0]["scales"], None, GROUP, "pairs", 1)
-    results = []
-    for block_n, unroll, warps, pps in [(None, None, 2, 4), (64, 2, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (128, 2, 2, 8)]:
-        cfg = pick_rows_config(n, k, num_sms, block_n, unroll, warps, pps)
-        for tile in (0, *TILES):
-            weights = [s["pairs"] for s in sets] if tile == 0 else tiled[tile]
-            out = gemv_rows(x, weights[0], sets[0]["qzeros"], sets[0]["scales"], None, GROUP, 1, cfg, True, tile)
-            assert torch.equal(out, ref) or float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-3
-            calls = [functools.partial(gemv_rows, x, w, s["qzeros"], s["scales"], None, GROUP, 1, cfg, True, tile) for w, s in zip(weights, sets, strict=True)]
-            us = timed(calls)
-            results.append((round(us, 2), f"tile={tile} bn={cfg.block_n} u={cfg.unroll} w={warps} split={cfg.split_k}"))
-    row["m1_gemv"] = results
-    row["m1_best"] = min(results)
-    row["m1_best_of_copy"] = round(k * n / 2 / min(results)[0] / 1e3 / (bandwidth / 1e9), 3)
-    for m in (4, 16):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg = pick_mma_config(m, n, k, num_sms)
-        for tile in (0, *TILES):
-            weights = [s["pairs"] for s in sets] if tile == 0 else tiled[tile]
-            calls = [functools.partial(int4_mma, x, w, s["qzeros"], s["scales"], None, GROUP, 1, cfg, tile) for w, s in zip(weights, sets, strict=True)]
-            row[f"m{m}_mma_tile{tile}_us"] = round(timed(calls), 2)
-    print(json.dumps(row), flush=True)
-
-
 def check_and_batched(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]]) -> None:
     """Relative error of each path against the reference (fp32 on the GPU), and M = 4, 16 timings."""
     t = sets[0]
@@ -188,16 +153,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the default rows config only (no sweep)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--mma", action="store_true", help="only the tensor-core kernel against the rows GEMV")
-    parser.add_argument("--tile", action="store_true", help="only the pairs layout tiled against untiled")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
-        if args.tile:
-            tile_row(name, k, n, sets, bandwidth)
-        elif args.mma:
+        if args.mma:
             mma_row(name, k, n, sets, bandwidth, args.quick)
         else:
             gemv_row(name, k, n, sets, bandwidth, args.quick)

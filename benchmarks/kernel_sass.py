@@ -98,7 +98,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
         for block_n in (64, 128):  # pick_rows_config: 128 outputs above N = 4096, else 64; 2 warps
             consts = dict(
                 ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=block_n, UNROLL=1, GROUP_J=4 if pairs else 8, NUM_STAGES=3,
-                PDL=True, PAIRS=pairs, TILE=0,
+                PDL=True, PAIRS=pairs,
             )  # fmt: skip
             name = f"INT4 {'pairs' if pairs else 'rows'} GEMV, {block_n} outputs"
             out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, block_n * 128 // 64))

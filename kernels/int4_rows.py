@@ -108,13 +108,3 @@ def unpack_pairs_layout(pairs: torch.Tensor) -> torch.Tensor:
     nibbles = (pairs.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]: (n, 16 b + w, 4 h + p)
     q = nibbles.reshape(out_features, -1, WORDS_PER_BLOCK, 2, 4).permute(1, 4, 2, 3, 0)  # [B, p, w, h, N]
     return q.reshape(num_words * 8, out_features)
-
-
-def tile_rows(qweight: torch.Tensor, tile: int) -> torch.Tensor:
-    """A rows or pairs qweight [N, K/8] with its rows in tiles of `tile`: each tile's words of
-    one block of 128 inputs lie together (tile x 16 words), blocks in order, tiles in order.
-    Same shape and values; only the order in memory changes."""
-    out_features, num_words = qweight.shape
-    assert out_features % tile == 0 and num_words % WORDS_PER_BLOCK == 0, (qweight.shape, tile)
-    tiles = qweight.reshape(out_features // tile, tile, num_words // WORDS_PER_BLOCK, WORDS_PER_BLOCK)
-    return tiles.permute(0, 2, 1, 3).contiguous().reshape(out_features, num_words)

@@ -126,7 +126,7 @@ def _pairs_mma_kernel(
     M, N, K, stride_xm, stride_ym, stride_hn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_P: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, TILE: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     """Program (M block, N block, split). halves: the qweight as int16 [N, K/4]; half c of a
     block, nibble p, is input 32 p + c of the block. GROUP_P: runs of 32 inputs per group
@@ -143,15 +143,10 @@ def _pairs_mma_kernel(
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, num_blocks)
     x_rows = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T [32, BM] of a run of 32
-    if TILE:  # tiles of TILE rows, each block of a tile contiguous (int4_rows.tile_rows)
-        row_base = ((rows_n // TILE) * num_blocks * TILE + rows_n % TILE) * 32
-    else:
-        row_base = rows_n * stride_hn
-    BLOCK_HALVES: tl.constexpr = 32 * TILE if TILE else 32  # halves from one block of a row to the next
-    weights = halves_ptr + row_base[:, None] + offs_c[None, :]
+    weights = halves_ptr + rows_n[:, None] * stride_hn + offs_c[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL and EARLY:
-        early = tl.load(weights + first * BLOCK_HALVES, mask=first < last, other=0)  # weights: no kernel of the chain writes them
+        early = tl.load(weights + first * 32, mask=first < last, other=0)  # weights: no kernel of the chain writes them
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
         if first < last:
             acc = _block_product(
@@ -163,7 +158,7 @@ def _pairs_mma_kernel(
         gdc_wait()
     for block in tl.range(first, last, num_stages=NUM_STAGES):
         acc = _block_product(
-            acc, tl.load(weights + block * BLOCK_HALVES), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
+            acc, tl.load(weights + block * 32), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
             group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
         )  # fmt: skip
     _reduce_tiles(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
@@ -219,7 +214,6 @@ def int4_mma(
     group_size: int,
     zero_offset: int,
     config: MmaConfig,
-    tile: int = 0,
 ) -> torch.Tensor:
     """x [M, K] @ a pairs-layout INT4 weight (qweight int32 [N, K/8]) (+ bias) -> [M, N] in
     x's dtype (bf16; fp16 x is multiplied in bf16). group_size: inputs per group (K: one)."""
@@ -241,7 +235,7 @@ def int4_mma(
         group_size, config.split_k,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16, PDL=use_pdl,
-        EARLY=config.early, TILE=tile,
+        EARLY=config.early,
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

@@ -78,7 +78,7 @@ def _rows_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     N, K, stride_qn, group_size, split_k, exponent,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PAIRS: tl.constexpr, TILE: tl.constexpr,
+    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     """Program (0, N block, split). GROUP_J: nibble runs of 16 inputs per group, at most 8.
     stride_qn (K / 8) is its own argument so that Triton sees it divisible by 16 (16-byte loads).
@@ -91,12 +91,7 @@ def _rows_gemv_kernel(
     rows_n = tl.where(mask_n, offs_n, 0)  # rows past N read row 0; their sums are not stored
     offs_u = tl.arange(0, UNROLL)
     offs_w = tl.arange(0, 16)
-    if TILE:  # tiles of TILE rows, each block of a tile contiguous (int4_rows.tile_rows)
-        row_base = ((rows_n // TILE) * (K // 128) * TILE + rows_n % TILE) * 16
-    else:
-        row_base = rows_n * stride_qn
-    BLOCK_WORDS: tl.constexpr = 16 * TILE if TILE else 16  # words from one block of a row to the next
-    words = qweight_ptr + row_base[:, None, None] + offs_u[None, :, None] * BLOCK_WORDS + offs_w[None, None, :]
+    words = qweight_ptr + rows_n[:, None, None] * stride_qn + offs_u[None, :, None] * 16 + offs_w[None, None, :]
     x_offs = offs_u[:, None] * 128 + offs_w[None, :]  # [U, 16]: input of nibble 0 in the step
     pair_offs = offs_u[:, None] * 64 + offs_w[None, :]  # [U, 16]: the 32-bit pair of inputs 2 w, 2 w + 1
     zero_shift = ((rows_n % 8) * 4)[:, None]
@@ -109,7 +104,7 @@ def _rows_gemv_kernel(
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = step * 128 * UNROLL
-        packed = tl.load(words + step * BLOCK_WORDS * UNROLL)  # [BN, U, 16]
+        packed = tl.load(words + step * 16 * UNROLL)  # [BN, U, 16]
         high = packed >> 12  # nibbles 5..7 at bits 8..19
         part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
         x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
@@ -187,7 +182,6 @@ def gemv_rows(
     zero_offset: int,
     config: RowsGemvConfig,
     pairs: bool = False,
-    tile: int = 0,
 ) -> torch.Tensor:
     """x [1, K] @ a rows-layout INT4 weight (qweight [N, K/8]) (+ bias) -> [1, N] in x's dtype;
     group_size: inputs per group (K for one group). pairs: the weight is in the pairs layout."""
@@ -205,7 +199,7 @@ def gemv_rows(
         semaphores("int4_gemv", x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
         GROUP_J=min(4, group_size // 32) if pairs else min(8, group_size // 16), NUM_STAGES=config.num_stages,
-        PDL=use_pdl, PAIRS=pairs, TILE=tile, num_warps=config.num_warps, launch_pdl=use_pdl,
+        PDL=use_pdl, PAIRS=pairs, num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
 

@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernels import int4_reference
-from kernels.int4_rows import gptq_to_pairs, pairs_layout_fits, tile_rows, unpack_pairs_layout
+from kernels.int4_rows import gptq_to_pairs, pairs_layout_fits, unpack_pairs_layout
 from kernels.triton_int4_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
 from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows
 from tests.kernels.test_int4_gemv import (
@@ -87,31 +87,6 @@ def test_gemv_rows_on_the_pairs_layout(config: RowsGemvConfig, group_size: int, 
     expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(dtype)
     tol = GEMV_TOLERANCES[dtype]
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("tile", [16, 32])
-def test_tiled_layout_in_both_kernels(tile: int) -> None:
-    # Rows in tiles (int4_rows.tile_rows): the same products from both kernels.
-    k, n = 512, 64
-    t = gptq_tensors(k, n, 128, 1)
-    pairs = tile_rows(gptq_to_pairs(t["qweight"]), tile)
-    x = randn(1, k, seed=4)
-    expected = reference(x, t, 128, 1)
-    config = RowsGemvConfig(32, 2, 2, num_warps=1, num_stages=2)
-    actual = gemv_rows(x, pairs, t["qzeros"], t["scales"], None, 128, 1, config, pairs=True, tile=tile)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
-    x3 = randn(3, k, dtype=torch.bfloat16, seed=5)
-    actual = int4_mma(x3, pairs, t["qzeros"], t["scales"], None, 128, 1, CONFIGS[1], tile=tile)
-    torch.testing.assert_close(actual, reference(x3, t, 128, 1), atol=TOLERANCE, rtol=TOLERANCE)
-
-
-def test_tile_rows_moves_whole_blocks() -> None:
-    qweight = torch.arange(4 * 32, dtype=torch.int32).reshape(4, 32)  # 4 rows, 2 blocks of 16 words
-    tiled = tile_rows(qweight, 2)
-    assert tiled.shape == qweight.shape
-    flat = tiled.flatten()
-    assert torch.equal(flat[:16], qweight[0, :16]) and torch.equal(flat[16:32], qweight[1, :16])
-    assert torch.equal(flat[32:48], qweight[0, 16:]) and torch.equal(flat[64:80], qweight[2, :16])
 
 
 def test_int4_mma_rows_of_x_past_one_tile() -> None:
@@ -215,19 +190,19 @@ signature = {
 }
 constexprs = dict(
     ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, GROUP_P=4, NUM_STAGES=3, PTX=True, FP16=fp16, PDL=True,
-    EARLY=True, TILE=int(sys.argv[2]),
+    EARLY=True,
 )
 print(json.dumps(main_loop(sass(triton_int4_mma._pairs_mma_kernel, signature, constexprs, num_warps=2))))
 """
 
 
-@pytest.mark.parametrize(("fp16", "tile"), [(False, 0), (True, 0), (False, 64)], ids=["bf16", "fp16", "bf16-tiled"])
-def test_sm90_code_of_the_ptx_conversion(fp16: bool, tile: int) -> None:
+@pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
+def test_sm90_code_of_the_ptx_conversion(fp16: bool) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root)
     out = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(int(fp16)), str(tile)],
+        [sys.executable, "-c", _COMPILE, str(int(fp16))],
         env=env, cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -236,4 +211,3 @@ def test_sm90_code_of_the_ptx_conversion(fp16: bool, tile: int) -> None:
     assert ops["LOP3.LUT"] >= 64 and ops["SHF.R.U32.HI"] == 48
     assert ops["HADD2" if fp16 else "HADD2.BF16_V2"] == 64  # the x2 subtracts
     assert ops["HMMA.16816.F32" if fp16 else "HMMA.16816.F32.BF16"] == 32  # 64 x 16 x 128 in m16n8k16 steps
-    assert ops["LDGSTS.E.BYPASS.128"] == 8  # the weights: 16-byte loads, tiled or not
