@@ -4,8 +4,8 @@ Every kernel of the chain may start while the one before it is still running and
 its inputs only after `gdc_wait()`. A missing or misplaced wait would read stale data: the
 chain below (norm -> bf16 GEMV -> SiLU-and-mul -> fp8 GEMV -> norm -> bf16 qkv GEMV ->
 rotary + KV write -> decode attention (split, combine) -> INT4 GEMV -> ..., every other
-layer with SiLU-and-mul fused into the GEMV and the rotary + KV write into the attention)
-is replayed
+layer with SiLU-and-mul fused into the GEMV and the rotary + KV write into the attention,
+the INT4 product in turn the rows GEMV, the tensor-core kernel and the pairs GEMV) is replayed
 from one CUDA graph with PDL on and must equal, bit for bit, the same kernels launched
 eagerly with PDL off. Each step's input is the previous step's output, and the residual
 chain makes every stale read visible in the result. Needs compute capability 9.0 (Hopper);
@@ -24,8 +24,9 @@ import kernels
 from engine.quantization.fp8 import quantize_fp8
 from engine.quantization.int4_pack import pack_gptq, quantize_rtn
 from kernels import pdl
-from kernels.int4_rows import gptq_to_rows
+from kernels.int4_rows import gptq_to_pairs, gptq_to_rows
 from kernels.quant_ops import fp8_linear
+from kernels.triton_int4_mma import int4_mma, pick_mma_config
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -48,7 +49,8 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
     o_int4 = []
     for _ in range(num_layers):
         packed = pack_gptq(quantize_rtn(randn(D, HEADS * HEAD_DIM).float().cpu(), 128, sym=False, min_zero=0), 0)
-        o_int4.append((gptq_to_rows(packed["qweight"]).cuda(), packed["qzeros"].cuda(), packed["scales"].cuda()))
+        repack = gptq_to_pairs if len(o_int4) % 2 else gptq_to_rows
+        o_int4.append((repack(packed["qweight"]).cuda(), packed["qzeros"].cuda(), packed["scales"].cuda()))
     num_blocks, seq_len = 64, 300
     kv_cache = randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, std=1.0)
     angles = (seq_len - 1) * torch.rand(1, HEAD_DIM // 2, generator=g, device="cuda")
@@ -83,7 +85,11 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
                 q, k = kernels.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
                 attn = kernels.paged_attention(q, k, k, kv_cache, meta, HEAD_DIM**-0.5)
             qweight, qzeros, scales = o_int4[i]
-            x = kernels.int4_gemm(attn.view(1, -1), qweight, qzeros, scales, None, 128, "rows", 0)
+            if i % 4 == 1:  # the INT4 tensor-core kernel (reads its first weights before the wait)
+                config = pick_mma_config(1, D, HEADS * HEAD_DIM, 132, early=True)
+                x = int4_mma(attn.view(1, -1), qweight, qzeros, scales, None, 128, 0, config)
+            else:  # the INT4 GEMV on the rows layout, or (i % 4 == 3) on the pairs layout
+                x = kernels.int4_gemm(attn.view(1, -1), qweight, qzeros, scales, None, 128, "pairs" if i % 2 else "rows", 0)
         return x + residual
 
     return run
