@@ -128,12 +128,16 @@ def write_checkpoint(path: Path, config: dict[str, Any], tensors: dict[str, torc
     return path
 
 
-def write_int4_pair(root: Path, settings: Int4Settings, seed: int = 0) -> tuple[Path, Path, Path]:
-    """(quantized checkpoint, its dequantized float twin, the unquantized original) under root."""
-    weights = float_weights(TINY_LLAMA, seed)
+def write_int4_pair(
+    root: Path, settings: Int4Settings, seed: int = 0, model_config: dict[str, Any] | None = None
+) -> tuple[Path, Path, Path]:
+    """(quantized checkpoint, its dequantized float twin, the unquantized original) under
+    root; model_config: TINY_LLAMA unless given."""
+    base = TINY_LLAMA if model_config is None else model_config
+    weights = float_weights(base, seed)
     packed, dequantized = quantize_checkpoint(weights, settings, seed)
-    config = {**TINY_LLAMA, "quantization_config": settings.quantization_config()}
+    config = {**base, "quantization_config": settings.quantization_config()}
     quantized_dir = write_checkpoint(root / "quantized", config, packed)
-    return quantized_dir, write_checkpoint(root / "dequantized", TINY_LLAMA, dequantized), write_checkpoint(
-        root / "float", TINY_LLAMA, weights
+    return quantized_dir, write_checkpoint(root / "dequantized", base, dequantized), write_checkpoint(
+        root / "float", base, weights
     )

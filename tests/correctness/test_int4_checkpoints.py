@@ -36,6 +36,7 @@ from engine.loader.gguf_file import gguf_hf_config, gguf_weights
 from engine.models import CausalLM
 from engine.quantization.int4_linear import Int4Linear
 from tests.correctness.int4_checkpoint import (
+    TINY_LLAMA,
     Int4Settings,
     quantize_checkpoint,
     write_checkpoint,
@@ -79,6 +80,30 @@ def test_checkpoint_computes_its_dequantized_weights(pair: tuple[str, Path, Path
     unquantized = logits(load(float_dir))
     relative_error = float((actual - unquantized).norm() / unquantized.norm())
     assert relative_error < 0.35, relative_error
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gpu_kernels_compute_the_dequantized_model(method: str, tmp_path: Path) -> None:
+    """On a GPU in bf16, with dims that fit the pairs layout (kernels/int4_rows.py): one
+    token (the batch-1 GEMV), 2 prompts of 34 tokens (the tensor-core kernel) and one of 150
+    (cuBLAS on the dequantized weight) against the dequantized twin, whose bf16 weights
+    cuBLAS multiplies: relative logit error < 2e-2 (bf16 rounds the twin's weights and
+    both models' activations; a misread layout gives 100%)."""
+    config = {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 256}
+    quantized_dir, dequantized_dir, _ = write_int4_pair(tmp_path, Int4Settings(method, group_size=128), model_config=config)
+
+    def load_gpu(path: Path) -> CausalLM:
+        return load_model(resolve(ModelConfig(model=str(path))), torch.bfloat16, torch.device("cuda"))
+
+    quantized, dequantized = load_gpu(quantized_dir), load_gpu(dequantized_dir)
+    layers = [quantized.model.layers[0].self_attn.qkv_proj, quantized.model.layers[1].mlp.down_proj]
+    assert all(isinstance(layer, Int4Linear) and layer.layout == "pairs" for layer in layers)
+    for prompts in ([[7]], [list(range(3, 37)), [(11 * i) % 256 for i in range(34)]], [[(5 * i + 1) % 256 for i in range(150)]]):
+        actual = torch.cat(prefill_logits(quantized, prompts, block_size=16)).float()
+        expected = torch.cat(prefill_logits(dequantized, prompts, block_size=16)).float()
+        relative_error = float((actual - expected).norm() / expected.norm())
+        assert relative_error < 2e-2, (len(prompts), relative_error)
 
 
 def test_greedy_tokens_equal_dequantized_model(tmp_path: Path) -> None:
