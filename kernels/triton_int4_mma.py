@@ -196,8 +196,9 @@ def pick_mma_config(
     num_stages: int = 3, early: bool | None = None,
 ) -> MmaConfig:  # fmt: skip
     """Split K until about `programs_per_sm` programs per SM. Rows of x in tiles of 16 up to
-    16 rows, else of 64. The defaults are benchmarks/bench_int4_gemv.py --mma's best on the
-    H200 for llama-3.1-8b (docs/benchmarks.md)."""
+    16 rows, else of 64. The defaults come from benchmarks/bench_int4_gemv.py --mma's sweep
+    at one row on the H200 (llama-3.1-8b shapes; within 10% of each shape's best); at 4-64
+    rows only they were timed (docs/benchmarks.md)."""
     block_m = 16 if m <= 16 else 64
     num_blocks = k // PAIRS_BLOCK
     num_programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
@@ -216,7 +217,8 @@ def int4_mma(
     config: MmaConfig,
 ) -> torch.Tensor:
     """x [M, K] @ a pairs-layout INT4 weight (qweight int32 [N, K/8]) (+ bias) -> [M, N] in
-    x's dtype (bf16; fp16 x is multiplied in bf16). group_size: inputs per group (K: one)."""
+    x's dtype: bf16 and fp16 x meet weights of their own dtype on the tensor cores, fp32 x
+    fp32 weights. group_size: inputs per group (K: one)."""
     x = x.contiguous()
     m, k = x.shape
     n, num_words = qweight.shape
