@@ -12,7 +12,6 @@ tiles against the GPTQ kernels, and a check of each path against the torch refer
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -104,7 +103,7 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     row: dict[str, object] = {"shape": name}
     t = sets[0]
-    for m in (1, 4, 16, 64, 128):
+    for m in (1, 4, 16, 64):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
         cfg = pick_mma_config(m, n, k, num_sms)
@@ -122,8 +121,6 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
         sweep = []
         default = pick_mma_config(m, n, k, num_sms)
         configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP]
-        if m > 16:  # the wide tiles' two shapes
-            configs += [dataclasses.replace(default, block_n=64, num_warps=2), dataclasses.replace(default, block_n=128, num_warps=4)]
         for cfg in configs:
             calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
             sweep.append((round(timed(calls), 2), f"{'default ' if cfg is default else ''}{cfg}"))

@@ -50,9 +50,6 @@ DEQUANT_MIN_ROWS = 128
 ONE_ROW_ON_TENSOR_CORES = False
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
-# Above 16 rows of x: tiles of 128 outputs x 64 rows over 4 warps (one warpgroup: wgmma, 3.3
-# instructions per weight in the loop) instead of 64 x 64 over 2 warps (mma.sync, 4.3).
-WIDE_WGMMA = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -203,8 +200,6 @@ def pick_mma_config(
     at one row on the H200 (llama-3.1-8b shapes; within 10% of each shape's best); at 4-64
     rows only they were timed (docs/benchmarks.md)."""
     block_m = 16 if m <= 16 else 64
-    if m > 16 and WIDE_WGMMA:
-        block_n, num_warps = 128, 4
     num_blocks = k // PAIRS_BLOCK
     num_programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split_k = max(1, min(num_blocks, (programs_per_sm * num_sms) // num_programs))
