@@ -98,12 +98,18 @@ MMA_SWEEP = [
 ] + [(bn, w, 3, 8, False) for bn, w in ((64, 1), (64, 2), (128, 2))]
 
 
+# (block_n, num_warps) above one row: 64 x 16-64 on 2 warps (mma.sync), 128 x 16-64 on 4 (wgmma)
+MMA_WIDE_TILES = ((64, 2), (128, 4))
+
+
 def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool) -> None:
-    """The tensor-core kernel against the rows GEMV (default config), M = 1, 4, 16, same run."""
+    """The tensor-core kernel against the rows layout's kernels (default configs), 1-128 rows of
+    x, same run: at one row a sweep of tiles, stages and splits; above, the split of K for
+    two tile shapes (without --quick)."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     row: dict[str, object] = {"shape": name}
     t = sets[0]
-    for m in (1, 4, 16, 64):
+    for m in (1, 4, 16, 64, 128):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
         cfg = pick_mma_config(m, n, k, num_sms)
@@ -120,7 +126,14 @@ def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], band
             row["m1_pairs_gemv_us"] = round(timed(calls), 2)
         sweep = []
         default = pick_mma_config(m, n, k, num_sms)
-        configs = [default] if quick or m > 1 else [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP]
+        if quick:
+            configs = [default]
+        elif m == 1:
+            configs = [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP]
+        else:  # the split of K (its fp32 partials grow with the rows of x) on both tile shapes
+            configs = [default] + [
+                pick_mma_config(m, n, k, num_sms, bn, w, pps) for (bn, w), pps in itertools.product(MMA_WIDE_TILES, (1, 2, 4, 8))
+            ]
         for cfg in configs:
             calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
             sweep.append((round(timed(calls), 2), f"{'default ' if cfg is default else ''}{cfg}"))
