@@ -39,7 +39,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
-from kernels.semaphores import semaphores
+from kernels.semaphores import reduce_splits, semaphores
+from kernels.triton_int4_rows import gemv_rows, pick_rows_config
 
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
@@ -161,34 +162,7 @@ def _pairs_mma_kernel(
             acc, tl.load(weights + block * 32), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
             group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
         )  # fmt: skip
-    _reduce_tiles(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
-
-
-@triton.jit
-def _reduce_tiles(
-    acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr
-):  # fmt: skip
-    """acc: this program's fp32 y^T tile [BN, BM]. The last of a tile's split_k programs to
-    arrive writes y = sum of partials + bias."""
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    tile = offs_m[None, :] * N + offs_n[:, None]
-    if split_k == 1:
-        total = acc
-        is_last = mask
-    else:
-        tl.store(ws_ptr + tl.program_id(2) * M * N + tile, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the semaphore counts it
-        lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel")
-        is_last = arrived == split_k - 1
-        total = tl.zeros_like(acc)
-        for split in range(split_k):
-            total += tl.load(ws_ptr + split * M * N + tile, mask=mask & is_last, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(lock, 0, mask=is_last, sem="relaxed")
-        is_last = mask & is_last
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total.to(y_ptr.dtype.element_ty), mask=is_last)
+    reduce_splits(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
 
 def pick_mma_config(
@@ -294,8 +268,6 @@ def int4_gemm_pairs(
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
     if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
-        from kernels.triton_int4_rows import gemv_rows, pick_rows_config
-
         config = pick_rows_config(n, k, num_sms)
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, pairs=True)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

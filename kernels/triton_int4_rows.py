@@ -33,7 +33,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
 from kernels.int4_rows import ROW_BLOCK
-from kernels.semaphores import semaphores
+from kernels.semaphores import reduce_splits, semaphores
 
 # Rows of x above which the weight is dequantized for cuBLAS instead of tl.dot tiles.
 DEQUANT_MIN_ROWS = 128
@@ -128,31 +128,8 @@ def _rows_gemv_kernel(
                 acc += scale[:, :, None] * (part - zero[:, :, None] * x_sum[None, :, :])
                 part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
                 x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
-    partial = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
-    _reduce_splits(partial, offs_n, N, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
-
-
-@triton.jit
-def _reduce_splits(partial, offs_n, N, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr):
-    """The last of a block's split_k programs to arrive writes y = sum of partials + bias."""
-    mask_n = offs_n < N
-    if split_k == 1:
-        total = partial
-        is_last = mask_n
-    else:
-        tl.store(ws_ptr + tl.program_id(2) * N + offs_n, partial, mask=mask_n)
-        tl.debug_barrier()  # every thread's partial is written before the semaphore counts it
-        lock = lock_ptr + tl.program_id(1)
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel")
-        is_last = arrived == split_k - 1
-        total = tl.zeros_like(partial)
-        for split in range(split_k):
-            total += tl.load(ws_ptr + split * N + offs_n, mask=mask_n & is_last, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(lock, 0, mask=is_last, sem="relaxed")
-        is_last = mask_n & is_last
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=is_last)
+    partial = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # y^T [BN, 1]
+    reduce_splits(partial, tl.arange(0, 1), offs_n, 1, N, N, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
 
 def pick_rows_config(
