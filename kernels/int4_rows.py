@@ -27,8 +27,8 @@ import torch
 from kernels.int4_reference import unpack_rows
 
 # The layout Int4Linear repacks GPTQ weights into (engine/quantization/int4_linear.py):
-# "pairs" (batch-1 3.04 ms against 3.07 for rows, and offline throughput 5,551 tok/s against
-# 4,250 on the H200, llama-3.1-8b; docs/benchmarks.md) or "rows".
+# "pairs" (batch-1 3.037 ms against 3.080 for rows, and offline throughput 5,509 tok/s
+# against 4,256 on the H200, llama-3.1-8b; docs/benchmarks.md) or "rows".
 DECODE_LAYOUT = "pairs"
 ROW_BLOCK = 128  # inputs per block
 WORDS_PER_BLOCK = ROW_BLOCK // 8
