@@ -46,8 +46,9 @@ PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
 DEQUANT_MIN_ROWS = 128
 # One row of x (batch-1 decode) on the tensor cores too (True), or through the CUDA-core
-# GEMV of kernels/triton_int4_rows.py on the same layout (False: batch-1 decode of
-# llama-3.1-8b 3.060 ms against 3.197 on the H200, one call, docs/benchmarks.md).
+# GEMV of kernels/triton_int4_rows.py on the same layout (False). One row on the tensor
+# cores made batch-1 decode of llama-3.1-8b 3.197 ms against 3.060 with the GEMV (then on
+# the rows layout; one H200 call, docs/benchmarks.md).
 ONE_ROW_ON_TENSOR_CORES = False
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
