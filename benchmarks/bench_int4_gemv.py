@@ -1,12 +1,17 @@
 """The batch-1 INT4 GEMV as decode runs it: many calls in one CUDA graph over weights
 larger than the L2 (benchmarks/bench_gemv.py's `graph_seconds`), on llama-3.1-8b's shapes.
 Per shape, in one run: the bf16 GEMV (kernels.linear), the GPTQ-layout split-K GEMV
-(kernels/triton_int4_gemv.py) and the rows-layout GEMV (kernels/triton_int4_rows.py) over
-a sweep of its configs; GB/s counts packed weight bytes (K * N / 2), against the copy
+(kernels/triton_int4_gemv.py), the rows-layout GEMV (kernels/triton_int4_rows.py) at its
+default config, and the same GEMV on the pairs layout (decode's) at its default and over a
+sweep of its configs; GB/s counts packed weight bytes (K * N / 2), against the copy
 bandwidth of the same run. Then M = 4 and 16 (batched decode): the rows layout's tl.dot
 tiles against the GPTQ kernels, and a check of each path against the torch reference.
 
-    PYTHONPATH=. python benchmarks/bench_int4_gemv.py [--quick]
+    PYTHONPATH=. python benchmarks/bench_int4_gemv.py [--quick] [--shapes qkv,o,gate_up,down]
+    PYTHONPATH=. python benchmarks/bench_int4_gemv.py --mma [--mma-rows 1,4,16,64,128] [--quick]
+
+`--mma`: the tensor-core kernel (kernels/triton_int4_mma.py) against the GEMV and the rows
+layout's tiles instead, per rows of x.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ from kernels.triton_int4_rows import gemv_rows, int4_gemm_rows, pick_rows_config
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
-# (block_n, unroll, num_warps, num_stages, programs per SM): 4 or 8 rows per thread (block_n
-# / (8 num_warps)), 1 or 2 blocks of 128 inputs per step, 2-4 tiles in flight; stages 1 (no
-# pipelining) once as a control.
+# (block_n, unroll, num_warps, num_stages, programs per SM) of the GEMV on the pairs layout:
+# 1, 2, 4 or 8 rows per thread (block_n / (8 num_warps)): fewer rows per thread hold fewer
+# registers, so more warps fit an SM (ncu saw 7 warps per SM at 4-8 rows per thread, each
+# issuing every ~5 cycles: latency-bound); 1 or 2 blocks of 128 inputs per step, 3-4 tiles in
+# flight; stages 1 (no pipelining) once as a control.
 SWEEP = [(32, 1, 1, 1, 4)] + [
     (bn, u, w, st, pps)
     for (bn, w), u, st, pps in itertools.product(
-        ((64, 2), (128, 4), (64, 1), (128, 2)), (1, 2), (2, 3, 4), (4, 8)
+        ((64, 2), (128, 2), (32, 2), (64, 4), (32, 4), (64, 8)), (1, 2), (3, 4), (4, 8)
     )
 ]
 
@@ -73,43 +80,48 @@ def gemv_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], ban
     del weights
     old = pick_gemv_config(1, n, k, GROUP, num_sms)
     record("gptq_old", timed([functools.partial(gemv_int4, x, t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1, old) for t in sets]))
-    sweep = []
-    for block_n, unroll, warps, stages, pps in [] if quick else SWEEP:
-        cfg = pick_rows_config(n, k, num_sms, block_n, unroll, warps, pps, stages)
-        calls = [functools.partial(gemv_rows, x, t["rows"], t["qzeros"], t["scales"], None, GROUP, 1, cfg) for t in sets]
-        sweep.append((timed(calls), f"bn={block_n} u={unroll} w={warps} st={stages} pps={pps} split={cfg.split_k}"))
     default = pick_rows_config(n, k, num_sms)
     record("rows_default", timed([functools.partial(gemv_rows, x, t["rows"], t["qzeros"], t["scales"], None, GROUP, 1, default) for t in sets]))
     row["rows_default_config"] = repr(default)
+    record("pairs_default", timed([functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, default, True) for t in sets]))
+    sweep = []
+    for block_n, unroll, warps, stages, pps in [] if quick else SWEEP:
+        cfg = pick_rows_config(n, k, num_sms, block_n, unroll, warps, pps, stages)
+        calls = [functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, cfg, True) for t in sets]
+        sweep.append((timed(calls), f"bn={block_n} u={unroll} w={warps} st={stages} pps={pps} split={cfg.split_k}"))
     if sweep:
         sweep.sort()
-        print(json.dumps({"shape": name, "rows_sweep_best": [(round(us, 2), c) for us, c in sweep[:6]]}), flush=True)
-        record("rows_best", sweep[0][0])
-        row["rows_best_config"] = sweep[0][1]
+        print(json.dumps({"shape": name, "pairs_sweep_best": [(round(us, 2), c) for us, c in sweep[:8]]}), flush=True)
+        record("pairs_best", sweep[0][0])
+        row["pairs_best_config"] = sweep[0][1]
     print(json.dumps(row), flush=True)
 
 
 # (block_n, num_warps, num_stages, programs per SM, early) of the tensor-core kernel
-# (kernels/triton_int4_mma.py): tiles and splits with the early first block, then without it
-# on three tiles.
+# (kernels/triton_int4_mma.py) at one row: 16 or 32 outputs per warp, with and without the
+# early first block.
 MMA_SWEEP = [
-    (bn, w, st, pps, True)
-    for (bn, w), st, pps in itertools.product(((32, 1), (64, 1), (64, 2), (128, 2), (128, 4)), (2, 3), (4, 8, 16))
-] + [(bn, w, 3, 8, False) for bn, w in ((64, 1), (64, 2), (128, 2))]
+    (bn, w, 3, pps, early)
+    for (bn, w), pps, early in itertools.product(
+        ((32, 1), (64, 2), (32, 2), (64, 4), (128, 8)), (4, 8, 16), (True, False)
+    )
+]
 
 
 # (block_n, num_warps) above one row: 64 x 16-64 on 2 warps (mma.sync), 128 x 16-64 on 4 (wgmma)
 MMA_WIDE_TILES = ((64, 2), (128, 4))
 
 
-def mma_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool) -> None:
+def mma_row(
+    name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool, rows: tuple[int, ...]
+) -> None:
     """The tensor-core kernel against the rows layout's kernels (default configs), 1-128 rows of
     x, same run: at one row a sweep of tiles, stages and splits; above, the split of K for
     two tile shapes (without --quick)."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     row: dict[str, object] = {"shape": name}
     t = sets[0]
-    for m in (1, 4, 16, 64, 128):
+    for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
         cfg = pick_mma_config(m, n, k, num_sms)
@@ -166,6 +178,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the default rows config only (no sweep)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--mma", action="store_true", help="only the tensor-core kernel against the rows GEMV")
+    parser.add_argument("--mma-rows", default="1,4,16,64,128", help="rows of x for --mma")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
@@ -173,7 +186,7 @@ def main() -> None:
         k, n = SHAPES[name]
         sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
         if args.mma:
-            mma_row(name, k, n, sets, bandwidth, args.quick)
+            mma_row(name, k, n, sets, bandwidth, args.quick, tuple(int(r) for r in args.mma_rows.split(",")))
         else:
             gemv_row(name, k, n, sets, bandwidth, args.quick)
             check_and_batched(name, k, n, sets)

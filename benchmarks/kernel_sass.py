@@ -76,9 +76,9 @@ INT4_SIGNATURE = {
 BF16_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
 
 
-def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
-    """(name, kernel, signature, constexprs, weights per thread per iteration) at the shapes
-    decode runs (4 warps): the 1-byte GEMV's 4 x 2048 tile, the bf16 GEMV's 2 x 1024 (with
+def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    """(name, kernel, signature, constexprs, weights per thread per iteration, warps) at the
+    shapes decode runs (4 warps unless named): the 1-byte GEMV's 4 x 2048 tile, the bf16 GEMV's 2 x 1024 (with
     SiLU fused: half the outputs, gate and up rows, the same tile)."""
     out = []
     for fmt in ("fp8", "int8"):
@@ -89,19 +89,19 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
                     INT8_PTX=True, PDL=True, SILU_MUL=silu, LANE_SUMS=lane_sums,
                 )  # fmt: skip
                 name = f"{fmt} GEMV, {'lane' if lane_sums else 'row'} sums{', SiLU fused' if silu else ''}"
-                out.append((name, triton_gemv._gemv_w8_kernel, W8_SIGNATURE, consts, 4 * 2048 // 128))
+                out.append((name, triton_gemv._gemv_w8_kernel, W8_SIGNATURE, consts, 4 * 2048 // 128, 4))
     for silu in (False, True):
         consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu)
         name = f"bf16 GEMV{', SiLU fused' if silu else ''}"
-        out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128))
+        out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128, 4))
     for pairs in (False, True):
-        for block_n in (64, 128):  # pick_rows_config: 128 outputs above N = 4096, else 64; 2 warps
+        for warps in (4, 2):  # pick_rows_config: 64 outputs, 2 blocks per step; 4 warps below K = 8192, else 2
             consts = dict(
-                ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=block_n, UNROLL=1, GROUP_J=4 if pairs else 8, NUM_STAGES=3,
+                ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=64, UNROLL=2, GROUP_J=4 if pairs else 8, NUM_STAGES=3,
                 PDL=True, PAIRS=pairs,
             )  # fmt: skip
-            name = f"INT4 {'pairs' if pairs else 'rows'} GEMV, {block_n} outputs"
-            out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, block_n * 128 // 64))
+            name = f"INT4 {'pairs' if pairs else 'rows'} GEMV, 64 outputs, {warps} warps"
+            out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))
     return out
 
 
@@ -111,8 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     print("| kernel | loop instructions | weights per thread | per weight | per weight byte | STS/LDS | barriers |")
     print("|---|---|---|---|---|---|---|")
-    for name, fn, signature, consts, weights in variants():
-        code = sass(fn, signature, consts, num_warps=2 if "INT4" in name else 4)
+    for name, fn, signature, consts, weights, num_warps in variants():
+        code = sass(fn, signature, consts, num_warps=num_warps)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             with open(os.path.join(args.dump, re.sub(r"\W+", "_", name) + ".sass"), "w") as f:

@@ -167,14 +167,18 @@ def _pairs_mma_kernel(
 
 
 def pick_mma_config(
-    m: int, n: int, k: int, num_sms: int, block_n: int = 64, num_warps: int = 2, programs_per_sm: int = 8,
-    num_stages: int = 3, early: bool | None = None,
+    m: int, n: int, k: int, num_sms: int, block_n: int | None = None, num_warps: int | None = None,
+    programs_per_sm: int | None = None, num_stages: int = 3, early: bool | None = None,
 ) -> MmaConfig:  # fmt: skip
-    """Split K until about `programs_per_sm` programs per SM. Rows of x in tiles of 16 up to
-    16 rows, else of 64. The defaults come from benchmarks/bench_int4_gemv.py --mma's sweep
-    at one row on the H200 (llama-3.1-8b shapes; within 10% of each shape's best); at 4-64
-    rows only they were timed (docs/benchmarks.md)."""
+    """Split K until about `programs_per_sm` programs per SM. Up to 16 rows of x: tiles of 64
+    outputs x 16 rows on 2 warps, 8 programs per SM; above: 128 x 64 on 4 warps, 2 programs per
+    SM (the fp32 partials of a split grow with the rows, and 64-row tiles are already enough
+    programs). The defaults are the best of benchmarks/bench_int4_gemv.py --mma's sweep on the
+    H200 (llama-3.1-8b shapes, 1-128 rows; within 5% of each shape's best, docs/benchmarks.md)."""
     block_m = 16 if m <= 16 else 64
+    block_n = block_n or (64 if m <= 16 else 128)
+    num_warps = num_warps or (2 if m <= 16 else 4)
+    programs_per_sm = programs_per_sm or (8 if m <= 16 else 2)
     num_blocks = k // PAIRS_BLOCK
     num_programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split_k = max(1, min(num_blocks, (programs_per_sm * num_sms) // num_programs))

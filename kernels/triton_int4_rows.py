@@ -133,19 +133,23 @@ def _rows_gemv_kernel(
 
 
 def pick_rows_config(
-    n: int, k: int, num_sms: int, block_n: int | None = None, unroll: int | None = None, num_warps: int = 2,
+    n: int, k: int, num_sms: int, block_n: int | None = None, unroll: int | None = None, num_warps: int | None = None,
     programs_per_sm: int = 4, num_stages: int = 3,
 ) -> RowsGemvConfig:  # fmt: skip
-    """Split K until about `programs_per_sm` programs per SM. The defaults are the best of
-    benchmarks/bench_int4_gemv.py's sweep on the H200 for llama-3.1-8b (docs/benchmarks.md):
-    128 outputs per program above N = 4096, else 64; two blocks per step for K >= 8192."""
-    block_n = block_n or (128 if n > 4096 else 64)
-    unroll = unroll or (2 if k >= 8192 else 1)
+    """Split K until about `programs_per_sm` programs per SM, in at least two ranges (more
+    warps in flight: the loop is latency-bound). The defaults are the best of
+    benchmarks/bench_int4_gemv.py's sweep on the pairs layout on the H200 for llama-3.1-8b
+    (docs/benchmarks.md): 64 outputs per program, two blocks of 128 inputs per step, 4 warps
+    (2 rows per thread) below K = 8192, 2 warps (4 rows per thread) from there."""
+    block_n = block_n or 64
+    unroll = unroll or 2
+    num_warps = num_warps or (4 if k < 8192 else 2)
     num_blocks = k // ROW_BLOCK
     while num_blocks % unroll:
         unroll //= 2
     num_programs = triton.cdiv(n, block_n)
-    split_k = max(1, min(num_blocks // unroll, (programs_per_sm * num_sms) // num_programs))
+    num_steps = num_blocks // unroll
+    split_k = max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
     return RowsGemvConfig(block_n, unroll, split_k, num_warps, num_stages)
 
 
