@@ -38,12 +38,12 @@ GROUP = 128
 # (block_n, unroll, num_warps, num_stages, programs per SM) of the GEMV on the pairs layout:
 # 1, 2, 4 or 8 rows per thread (block_n / (8 num_warps)): fewer rows per thread hold fewer
 # registers, so more warps fit an SM (ncu saw 7 warps per SM at 4-8 rows per thread, each
-# issuing every ~5 cycles: latency-bound); 1 or 2 blocks of 128 inputs per step, 3-4 tiles in
+# issuing every ~5 cycles: latency-bound); 1, 2 or 4 blocks of 128 inputs per step, 3-4 tiles in
 # flight; stages 1 (no pipelining) once as a control.
 SWEEP = [(32, 1, 1, 1, 4)] + [
     (bn, u, w, st, pps)
     for (bn, w), u, st, pps in itertools.product(
-        ((64, 2), (128, 2), (32, 2), (64, 4), (32, 4), (64, 8)), (1, 2), (3, 4), (4, 8)
+        ((64, 2), (128, 2), (32, 2), (64, 4), (32, 4), (64, 8)), (1, 2, 4), (3, 4), (4, 8)
     )
 ]
 

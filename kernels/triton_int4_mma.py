@@ -16,7 +16,8 @@ numbers the tensor cores take as they are:
 multiplies the partial sums: y_n = sum_g s_gn sum_k (q_kn - z_gn) x_k, so only x is
 rounded (it arrives in bf16 or fp16). That is 2.4 instructions per weight in the loop,
 against 4.5-5.1 in the CUDA-core GEMV, yet at one row the GEMV stayed faster on the H200
-(the MMA pads x to 16 rows and the loop is latency-bound at these sizes); at 4 and 16 rows
+(the MMA pads x to 16 rows and the loop is latency-bound at these sizes: ncu saw 13 warps
+per SM, each issuing every 7.4 cycles, docs/benchmarks.md); at 4 and 16 rows
 a llama-3.1-8b layer's four products take 0.58x the time of the rows layout's tl.dot tiles
 (which dequantize every weight in fp32 and add split-K partials with atomics), at 64 rows 0.65x.
 

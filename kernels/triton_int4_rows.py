@@ -4,7 +4,9 @@ along K, GPTQ's zeros and scales), for groups of consecutive inputs.
 - One row of x (batch-1 decode): `gemv_rows`. A program owns BLOCK_N outputs and walks K
   in UNROLL blocks of 128 inputs, reading each row's 64 * UNROLL bytes with 16-byte loads,
   NUM_STAGES steps in flight (cp.async into shared memory; the best configs streamed
-  0.9-1.4 TB/s before it and the 16-byte loads, 1.0-1.8 TB/s after, docs/benchmarks.md).
+  0.9-1.4 TB/s before it and the 16-byte loads, 1.0-1.8 TB/s after; the loop is
+  latency-bound, so the default gives each thread only 2 rows on 4 warps to fit more warps
+  per SM: 1.1-1.9 TB/s, docs/benchmarks.md).
   Nibble j of a block's 16 words is 16 consecutive inputs, so x arrives as contiguous
   vectors, shared by the rows a thread holds. Per 4-bit weight: one and-or, which makes
   the fp32 2^23 + q * 2^p of the nibble at bit p, one fma that turns it into q exactly
@@ -37,6 +39,8 @@ from kernels.semaphores import reduce_splits, semaphores
 
 # Rows of x above which the weight is dequantized for cuBLAS instead of tl.dot tiles.
 DEQUANT_MIN_ROWS = 128
+# Blocks of 128 inputs per step of the one-row GEMV (pick_rows_config's default).
+GEMV_UNROLL = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +146,7 @@ def pick_rows_config(
     (docs/benchmarks.md): 64 outputs per program, two blocks of 128 inputs per step, 4 warps
     (2 rows per thread) below K = 8192, 2 warps (4 rows per thread) from there."""
     block_n = block_n or 64
-    unroll = unroll or 2
+    unroll = unroll or GEMV_UNROLL
     num_warps = num_warps or (4 if k < 8192 else 2)
     num_blocks = k // ROW_BLOCK
     while num_blocks % unroll:
