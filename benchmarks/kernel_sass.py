@@ -94,13 +94,13 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
         consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu)
         name = f"bf16 GEMV{', SiLU fused' if silu else ''}"
         out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128, 4))
-    for pairs in (False, True):
+    for layout in ("rows", "pairs", "pairs, x2 math"):
         for warps in (4, 2):  # pick_rows_config: 64 outputs, 2 blocks per step; 4 warps below K = 8192, else 2
             consts = dict(
-                ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=64, UNROLL=2, GROUP_J=4 if pairs else 8, NUM_STAGES=3,
-                PDL=True, PAIRS=pairs,
+                ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=64, UNROLL=2, GROUP_J=8 if layout == "rows" else 4, NUM_STAGES=3,
+                PDL=True, PAIRS=layout != "rows", PACKED=layout == "pairs, x2 math", FP16=False,
             )  # fmt: skip
-            name = f"INT4 {'pairs' if pairs else 'rows'} GEMV, 64 outputs, {warps} warps"
+            name = f"INT4 {layout} GEMV, 64 outputs, {warps} warps"
             out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))
     return out
 

@@ -26,6 +26,7 @@ The wrappers read only shapes, never values: graph-capturable.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ from kernels.semaphores import reduce_splits, semaphores
 DEQUANT_MIN_ROWS = 128
 # Blocks of 128 inputs per step of the one-row GEMV (pick_rows_config's default).
 GEMV_UNROLL = 2
+# The one-row GEMV on the pairs layout multiplies in x2 arithmetic of x's dtype where it can
+# (_word_dots_ptx: groups of 128 inputs or more, bf16 or fp16 x, on a GPU), else in fp32.
+PACKED_PAIRS = True
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +83,50 @@ def _input_pairs(x_ptr, start, pair_offs):
 
 
 @triton.jit
+def _word_dots_ptx(packed, offset, x0, x1, x2, x3, FP16: tl.constexpr):
+    """fp32 sum of the 8 products of each pairs-layout word (packed [BN, U, 16] int32) with
+    its inputs, in x2 arithmetic: per nibble pair p (bits 4p and 4p + 16) a shift, one LOP3
+    into OFFSET's mantissa (bf16 128 + q, fp16 1024 + q), one x2 subtract of `offset` (its
+    OFFSET + zero in both halves: q - zero, exact) and one x2 fma with x_p (the 32-bit pair of
+    inputs 32 p + 2 w, + 1, as loaded); the two halves of the sum are added in fp32. Products
+    and the four-term sums round to x's dtype (bf16: relative 2^-9 a step)."""
+    magic: tl.constexpr = "0x64006400" if FP16 else "0x43004300"
+    kind: tl.constexpr = "f16x2" if FP16 else "bf16x2"
+    unpack: tl.constexpr = (
+        "mov.b32 {h0, h1}, a; cvt.f32.f16 fl, h0; cvt.f32.f16 fh, h1;" if FP16
+        else "shl.b32 t, a, 16; mov.b32 fl, t; and.b32 t, a, 0xFFFF0000; mov.b32 fh, t;"
+    )  # fmt: skip
+    pair: tl.constexpr = " lop3.b32 q, t, 0x000F000F, " + magic + ", 0xea; sub.rn." + kind + " q, q, $2;"
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, q, a; .reg .b16 h0, h1; .reg .f32 fl, fh;"
+        " lop3.b32 q, $1, 0x000F000F, " + magic + ", 0xea; sub.rn." + kind + " q, q, $2; mul.rn." + kind + " a, q, $3;"
+        " shr.u32 t, $1, 4;" + pair + " fma.rn." + kind + " a, q, $4, a;"
+        " shr.u32 t, $1, 8;" + pair + " fma.rn." + kind + " a, q, $5, a;"
+        " shr.u32 t, $1, 12;" + pair + " fma.rn." + kind + " a, q, $6, a; "
+        + unpack + " add.f32 $0, fl, fh; }",
+        "=f,r,r,r,r,r,r",
+        [packed, tl.broadcast_to(offset, packed.shape), tl.broadcast_to(x0[None, :, :], packed.shape),
+         tl.broadcast_to(x1[None, :, :], packed.shape), tl.broadcast_to(x2[None, :, :], packed.shape),
+         tl.broadcast_to(x3[None, :, :], packed.shape)],
+        dtype=tl.float32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _rows_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     N, K, stride_qn, group_size, split_k, exponent,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PAIRS: tl.constexpr,
+    GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PAIRS: tl.constexpr, PACKED: tl.constexpr,
+    FP16: tl.constexpr,
 ):  # fmt: skip
     """Program (0, N block, split). GROUP_J: nibble runs of 16 inputs per group, at most 8.
     stride_qn (K / 8) is its own argument so that Triton sees it divisible by 16 (16-byte loads).
     PAIRS: the weight is in the pairs layout (nibble p + 4 h of word w: input 32 p + 2 w + h),
     read in the same loop: per p one load of x's 32 inputs, split into the two nibbles' vectors;
-    GROUP_J then counts runs of 32 inputs (at most 4)."""
+    GROUP_J then counts runs of 32 inputs (at most 4). PACKED (pairs, groups of 128 inputs or
+    more, 16-bit x, on a GPU): a word's eight products in x2 arithmetic (_word_dots_ptx), the
+    group's zero subtracted from each weight, its scale times each word's sum."""
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -109,29 +147,42 @@ def _rows_gemv_kernel(
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = step * 128 * UNROLL
         packed = tl.load(words + step * 16 * UNROLL)  # [BN, U, 16]
-        high = packed >> 12  # nibbles 5..7 at bits 8..19
-        part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
-        x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
-        for j in tl.static_range(8 if not PAIRS else 4):
-            if PAIRS:  # nibbles j and j + 4: inputs 32 j + 2 w and 32 j + 2 w + 1
-                x_even, x_odd = _input_pairs(x_ptr, k0 + 32 * j, pair_offs)  # [U, 16] each
-                part += _nibble_value(packed, high, exponent, j) * x_even[None, :, :]
-                part += _nibble_value(packed, high, exponent, j + 4) * x_odd[None, :, :]
-                x_sum += x_even + x_odd
-                first_input = 32 * j
-            else:
-                x = tl.load(x_ptr + k0 + 16 * j + x_offs).to(tl.float32)  # [U, 16]
-                part += _nibble_value(packed, high, exponent, j) * x[None, :, :]
-                x_sum += x
-                first_input = 16 * j
-            if (j + 1) % GROUP_J == 0:
-                group = (k0 + offs_u * 128 + first_input) // group_size  # [U]
-                scale = tl.load(scales_ptr + group[None, :] * N + rows_n[:, None]).to(tl.float32)  # [BN, U]
-                packed_zero = tl.load(qzeros_ptr + group[None, :] * (N // 8) + rows_n[:, None] // 8)
-                zero = (((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)  # [BN, U]
-                acc += scale[:, :, None] * (part - zero[:, :, None] * x_sum[None, :, :])
-                part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
-                x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
+        if PACKED:  # one group per block of 128 inputs (group_size a multiple of 128)
+            x_pairs = x_ptr.to(tl.pointer_type(tl.uint32)) + k0 // 2 + pair_offs  # [U, 16]
+            group = (k0 + offs_u * 128) // group_size  # [U]
+            scale = tl.load(scales_ptr + group[None, :] * N + rows_n[:, None]).to(tl.float32)  # [BN, U]
+            packed_zero = tl.load(qzeros_ptr + group[None, :] * (N // 8) + rows_n[:, None] // 8)
+            zero = ((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET  # [BN, U]
+            offset = ((0x6400 if FP16 else 0x4300) + zero) * 0x10001  # OFFSET + zero in both halves
+            sums = _word_dots_ptx(
+                packed, offset[:, :, None], tl.load(x_pairs), tl.load(x_pairs + 16), tl.load(x_pairs + 32),
+                tl.load(x_pairs + 48), FP16,
+            )  # fmt: skip
+            acc += scale[:, :, None] * sums
+        else:
+            high = packed >> 12  # nibbles 5..7 at bits 8..19
+            part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
+            x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
+            for j in tl.static_range(8 if not PAIRS else 4):
+                if PAIRS:  # nibbles j and j + 4: inputs 32 j + 2 w and 32 j + 2 w + 1
+                    x_even, x_odd = _input_pairs(x_ptr, k0 + 32 * j, pair_offs)  # [U, 16] each
+                    part += _nibble_value(packed, high, exponent, j) * x_even[None, :, :]
+                    part += _nibble_value(packed, high, exponent, j + 4) * x_odd[None, :, :]
+                    x_sum += x_even + x_odd
+                    first_input = 32 * j
+                else:
+                    x = tl.load(x_ptr + k0 + 16 * j + x_offs).to(tl.float32)  # [U, 16]
+                    part += _nibble_value(packed, high, exponent, j) * x[None, :, :]
+                    x_sum += x
+                    first_input = 16 * j
+                if (j + 1) % GROUP_J == 0:
+                    group = (k0 + offs_u * 128 + first_input) // group_size  # [U]
+                    scale = tl.load(scales_ptr + group[None, :] * N + rows_n[:, None]).to(tl.float32)  # [BN, U]
+                    packed_zero = tl.load(qzeros_ptr + group[None, :] * (N // 8) + rows_n[:, None] // 8)
+                    zero = (((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)  # [BN, U]
+                    acc += scale[:, :, None] * (part - zero[:, :, None] * x_sum[None, :, :])
+                    part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
+                    x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
     partial = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # y^T [BN, 1]
     reduce_splits(partial, tl.arange(0, 1), offs_n, 1, N, N, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
@@ -155,6 +206,11 @@ def pick_rows_config(
     num_steps = num_blocks // unroll
     split_k = max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
     return RowsGemvConfig(block_n, unroll, split_k, num_warps, num_stages)
+
+
+def packed_math(dtype: torch.dtype, group_size: int) -> bool:
+    """Whether the pairs GEMV takes the x2 path (PACKED_PAIRS) for this x dtype and group."""
+    return PACKED_PAIRS and not _INTERPRET and dtype in (torch.bfloat16, torch.float16) and group_size % 128 == 0
 
 
 def gemv_rows(
@@ -184,7 +240,8 @@ def gemv_rows(
         semaphores("int4_gemv", x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
         GROUP_J=min(4, group_size // 32) if pairs else min(8, group_size // 16), NUM_STAGES=config.num_stages,
-        PDL=use_pdl, PAIRS=pairs, num_warps=config.num_warps, launch_pdl=use_pdl,
+        PDL=use_pdl, PAIRS=pairs, PACKED=pairs and packed_math(x.dtype, group_size), FP16=x.dtype == torch.float16,
+        num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
 

@@ -21,9 +21,15 @@ from engine.quantization.int4_pack import (
     pack_rows,
     quantize_rtn,
 )
-from kernels import int4_reference, int4_rows, semaphores
-from kernels.int4_rows import gptq_to_rows, rows_layout_fits, rows_to_gptq
-from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows, int4_gemm_rows, pick_rows_config
+from kernels import int4_reference, int4_rows, semaphores, triton_int4_rows
+from kernels.int4_rows import gptq_to_pairs, gptq_to_rows, rows_layout_fits, rows_to_gptq
+from kernels.triton_int4_rows import (
+    RowsGemvConfig,
+    gemv_rows,
+    int4_gemm_rows,
+    packed_math,
+    pick_rows_config,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -212,6 +218,31 @@ def test_cuda_llama_8b_shapes(m: int, k: int, n: int) -> None:
     actual = kernels.int4_gemm(x, gptq_to_rows(t["qweight"]), t["qzeros"], t["scales"], None, 128, "rows", 1)
     tol = GEMV_TOLERANCES[torch.bfloat16] if m == 1 else DOT_TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(actual, reference(x, t, 128, 1), atol=tol, rtol=tol)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [128, -1], ids=["g128", "one"])
+def test_cuda_pairs_gemv_x2_math_against_fp32(dtype: torch.dtype, group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pairs GEMV's x2 path (products and four-term sums rounded to x's dtype) against its
+    # fp32 path and the fp32 reference. Bounds: the output's own rounding is 1.6e-3 (bf16) and
+    # 2e-4 (fp16) relative; x2 products and sums add about as much again (2^-9, 2^-11 a step).
+    k, n = 4096, 6144
+    t = gptq_tensors(k, n, group_size, 1)
+    x = randn(1, k, dtype=dtype, seed=12)
+    group = k if group_size == -1 else group_size
+    args = (x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, group, 1, pick_rows_config(n, k, 132), True)
+    assert packed_math(dtype, group)
+    packed = gemv_rows(*args).float()
+    monkeypatch.setattr(triton_int4_rows, "PACKED_PAIRS", False)
+    exact = gemv_rows(*args).float()
+    expected = reference(x.float(), t, group_size, 1)
+
+    def rel(y: torch.Tensor) -> float:
+        return float((y - expected).norm() / expected.norm())
+
+    bound = {torch.bfloat16: 4.5e-3, torch.float16: 1e-3}[dtype]
+    assert rel(exact) < bound / 2 and rel(packed) < bound, (rel(exact), rel(packed))
 
 
 @cuda_only
