@@ -9,11 +9,9 @@ tiles against the GPTQ kernels, and a check of each path against the torch refer
 
     PYTHONPATH=. python benchmarks/bench_int4_gemv.py [--quick] [--shapes qkv,o,gate_up,down]
     PYTHONPATH=. python benchmarks/bench_int4_gemv.py --mma [--mma-rows 1,4,16,64,128] [--quick]
-    PYTHONPATH=. python benchmarks/bench_int4_gemv.py --stream [--quick]
 
 `--mma`: the tensor-core kernel (kernels/triton_int4_mma.py) against the GEMV and the rows
-layout's tiles instead, per rows of x. `--stream`: the stream-K GEMV
-(kernels/triton_int4_stream.py) against the pairs GEMV at one row, over a sweep of its configs.
+layout's tiles instead, per rows of x.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from kernels.triton_int4_gemm import int4_gemm
 from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
 from kernels.triton_int4_mma import int4_mma, pick_mma_config
 from kernels.triton_int4_rows import gemv_rows, int4_gemm_rows, pick_rows_config
-from kernels.triton_int4_stream import StreamConfig, gemv_stream, pick_stream_config
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
@@ -158,43 +155,6 @@ def mma_row(
         print(json.dumps(row), flush=True)
 
 
-# (block_n, unroll, num_warps, num_stages) x programs per SM of the stream-K GEMV: 1-8 rows
-# per thread, 3-6 steps in flight, 1-4 programs per SM.
-STREAM_SWEEP = [
-    StreamConfig(bn, u, pps, w, st)
-    for (bn, w), u, st, pps in itertools.product(
-        ((32, 2), (64, 2), (64, 4), (128, 2), (128, 4)), (1, 2), (3, 4, 6), (1, 2, 3, 4)
-    )
-]
-
-
-def stream_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool) -> None:
-    """The stream-K GEMV at its default and over STREAM_SWEEP against the pairs GEMV's default
-    (one row, same run), and its error against the fp32 reference."""
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    t = sets[0]
-    ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
-    default = pick_stream_config(n, k)
-    out = gemv_stream(x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, default, num_sms).float()
-    row: dict[str, object] = {"shape": name, "rel_err_stream": float((out - ref).norm() / ref.norm())}
-    rows_cfg = pick_rows_config(n, k, num_sms)
-    pairs_us = timed([functools.partial(gemv_rows, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, rows_cfg, True) for s in sets])
-    row["pairs_gemv_us"] = round(pairs_us, 2)
-    sweep = []
-    for cfg in [default] + ([] if quick else STREAM_SWEEP):
-        if k % (128 * cfg.unroll):
-            continue
-        calls = [functools.partial(gemv_stream, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg, num_sms) for s in sets]
-        sweep.append((round(timed(calls), 2), f"{'default ' if cfg is default else ''}{cfg}"))
-    row["stream_default_us"] = sweep[0][0]
-    sweep.sort()
-    row["stream_best"] = sweep[:6]
-    row["stream_best_of_copy"] = round(k * n / 2 / sweep[0][0] / 1e3 / (bandwidth / 1e9), 3)
-    row["pairs_of_copy"] = round(k * n / 2 / pairs_us / 1e3 / (bandwidth / 1e9), 3)
-    print(json.dumps(row), flush=True)
-
-
 def check_and_batched(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]]) -> None:
     """Relative error of each path against the reference (fp32 on the GPU), and M = 4, 16 timings."""
     t = sets[0]
@@ -218,7 +178,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the default rows config only (no sweep)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--mma", action="store_true", help="only the tensor-core kernel against the rows GEMV")
-    parser.add_argument("--stream", action="store_true", help="only the stream-K GEMV against the pairs GEMV")
     parser.add_argument("--mma-rows", default="1,4,16,64,128", help="rows of x for --mma")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -226,9 +185,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
-        if args.stream:
-            stream_row(name, k, n, sets, bandwidth, args.quick)
-        elif args.mma:
+        if args.mma:
             mma_row(name, k, n, sets, bandwidth, args.quick, tuple(int(r) for r in args.mma_rows.split(",")))
         else:
             gemv_row(name, k, n, sets, bandwidth, args.quick)

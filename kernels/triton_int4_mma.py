@@ -42,7 +42,6 @@ from triton.language.extra.cuda import gdc_wait
 from kernels import pdl
 from kernels.semaphores import reduce_splits, semaphores
 from kernels.triton_int4_rows import gemv_rows, pick_rows_config
-from kernels.triton_int4_stream import gemv_stream, pick_stream_config, stream_fits
 
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
@@ -52,10 +51,6 @@ DEQUANT_MIN_ROWS = 128
 # cores made batch-1 decode of llama-3.1-8b 3.197 ms against 3.060 with the GEMV (then on
 # the rows layout; one H200 call, docs/benchmarks.md).
 ONE_ROW_ON_TENSOR_CORES = False
-# One row of x through the stream-K GEMV of kernels/triton_int4_stream.py where it fits (True),
-# or the GEMV of kernels/triton_int4_rows.py (a program per output block and K range): the
-# stream-K kernel was 3% faster on gate_up and 3-9% slower on qkv, o and down (H200 sweep).
-STREAM_GEMV = False
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -279,9 +274,6 @@ def int4_gemm_pairs(
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
     if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
-        stream = pick_stream_config(n, k)
-        if STREAM_GEMV and stream_fits(k, group, stream):
-            return gemv_stream(x, qweight, qzeros, scales, None, group, zero_offset, stream, num_sms)
         config = pick_rows_config(n, k, num_sms)
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, pairs=True)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))
