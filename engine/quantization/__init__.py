@@ -83,15 +83,24 @@ def select_method(requested: str | None, hf_config: dict[str, Any]) -> str | Non
 
 
 def quantize_model(model: CausalLM, method: QuantMethod, convert: bool = True) -> None:
-    """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj with
-    `method`'s module, in place. convert: quantize the loaded weights (online methods);
-    otherwise the modules are left empty for the checkpoint's tensors (`load_shard`)."""
+    """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj (and
+    lm_head, where the method quantizes it) with `method`'s module, in place. convert:
+    quantize the loaded weights (online methods); otherwise the modules are left empty for
+    the checkpoint's tensors (`load_shard`)."""
     config = model.config
     if config.num_experts:
         raise ConfigError(
             f"model.quantization: {method.name!r} does not support mixture-of-experts models "
             f"({config.architecture}); unset quantization for this model"
         )
+    if method.quantizes_lm_head:
+        if config.tie_word_embeddings:
+            raise ModelLoadError(
+                f"quantization_config.lm_head is true, but {config.architecture} ties lm_head to the "
+                "embedding (tie_word_embeddings), which stays unquantized: use a checkpoint quantized "
+                "without lm_head"
+            )
+        model.lm_head = _swap(model.lm_head, [model.lm_head.out_features], method, convert)  # type: ignore[assignment]
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
     inter = config.intermediate_size

@@ -1,7 +1,7 @@
 """The contract every quantization method meets (int8, fp8, gptq, awq).
 
 A method swaps a built model's linear layers (qkv_proj, o_proj, gate_up_proj, down_proj;
-never the embedding or lm_head) for its own modules, from outside, as tensor parallelism
+lm_head too where the method says so, never the embedding) for its own modules, from outside, as tensor parallelism
 does, so model files stay free of quantization code. Two kinds:
 
 - online (int8, fp8): the checkpoint holds ordinary weights; they load into the unquantized
@@ -59,6 +59,11 @@ class QuantMethod(Protocol):
     name: str
     # True: the checkpoint holds this method's packed tensors (gptq, awq).
     quantizes_checkpoint: bool
+
+    @property
+    def quantizes_lm_head(self) -> bool:
+        """True: lm_head is swapped as well (a GPTQ checkpoint declaring `lm_head: true`)."""
+        ...
 
     def check_hf_config(self, hf_config: dict[str, Any]) -> None:
         """Raise ModelLoadError naming the mismatch when the checkpoint's declared format

@@ -1,7 +1,9 @@
 """GPTQ checkpoints (AutoGPTQ / GPTQModel): INT4 weights packed along the input dim, one
 scale and zero per (group, output), g_idx mapping each input to its group (act-order,
 desc_act, makes it a permutation rather than consecutive runs). Read from config.json's
-`quantization_config`; kernels/int4_reference.py describes the layout.
+`quantization_config`; kernels/int4_reference.py describes the layout. `lm_head: true`
+(GPTQModel, AutoRound) means lm_head is packed the same way (lm_head.qweight, ...), as vLLM
+reads it; models that tie lm_head to the embedding are refused then (quantize_model).
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ def gptq_spec(hf_config: dict[str, Any]) -> Int4Spec:
             f"quantization_config.checkpoint_format {fmt!r} is not supported by gptq: "
             f"supported {sorted(_FORMATS)} (the AutoGPTQ/GPTQModel layouts, not marlin repacks)"
         )
-    for flag in ("desc_act", "sym"):
+    for flag in ("desc_act", "sym", "lm_head"):
         if not isinstance(qc.get(flag, False), bool):
             raise ModelLoadError(f"quantization_config.{flag} {qc[flag]!r} must be true or false")
-    return Int4Spec("gptq", group_size, _FORMATS[fmt])
+    return Int4Spec("gptq", group_size, _FORMATS[fmt], lm_head=qc.get("lm_head", False))
 
 
 class GptqMethod(Int4Method):

@@ -44,6 +44,7 @@ class Int4Spec:
     method: str  # "gptq" or "awq": the checkpoint layout
     group_size: int  # -1: one group over all inputs
     zero_offset: int  # GPTQ v1 stores zero - 1: 1; GPTQ v2 and AWQ: 0
+    lm_head: bool = False  # the checkpoint quantizes lm_head too (GPTQModel's `lm_head: true`)
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else -(-in_features // self.group_size)
@@ -276,6 +277,10 @@ class Int4Method:
 
     def __init__(self, spec: Int4Spec | None = None) -> None:
         self.spec = spec or self.default_spec
+
+    @property
+    def quantizes_lm_head(self) -> bool:
+        return self.spec.lm_head
 
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any]) -> Int4Method:

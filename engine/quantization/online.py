@@ -16,6 +16,7 @@ class OnlineMethod:
     name: ClassVar[str]
     linear_class: ClassVar[type[nn.Module]]
     quantizes_checkpoint = False
+    quantizes_lm_head = False
 
     def check_hf_config(self, hf_config: dict[str, Any]) -> None:
         refuse_prequantized(self.name, hf_config)

@@ -42,6 +42,7 @@ class Int4Settings:
     sym: bool = False
     desc_act: bool = False  # GPTQ act-order: a random permutation per input
     checkpoint_format: str = "gptq"  # GPTQ v1 ("gptq", stores zero - 1) or "gptq_v2"
+    lm_head: bool = False  # GPTQ: lm_head quantized too (GPTQModel's `lm_head: true`)
 
     def quantization_config(self) -> dict[str, Any]:
         if self.method == "awq":
@@ -49,7 +50,7 @@ class Int4Settings:
                     "version": "gemm", "modules_to_not_convert": None}
         return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size, "desc_act": self.desc_act,
                 "sym": self.sym, "damp_percent": 0.01, "static_groups": False, "true_sequential": True,
-                "checkpoint_format": self.checkpoint_format}
+                "checkpoint_format": self.checkpoint_format, "lm_head": self.lm_head}
 
 
 def float_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -91,7 +92,7 @@ def quantize_checkpoint(
     packed: dict[str, torch.Tensor] = {}
     dequantized = dict(weights)
     for name, weight in weights.items():
-        linear = _is_linear(name)
+        linear = "lm_head" if settings.lm_head and name == "lm_head.weight" else _is_linear(name)
         if linear is None:
             packed[name] = weight
             continue
@@ -99,7 +100,7 @@ def quantize_checkpoint(
         in_features = weight.shape[1]
         g_idx = None
         if settings.desc_act:
-            key = (prefix.split(".self_attn")[0].split(".mlp")[0], LINEAR_INPUTS[linear])
+            key = (prefix.split(".self_attn")[0].split(".mlp")[0], LINEAR_INPUTS.get(linear, "lm_head"))
             perm = perms.setdefault(key, torch.randperm(in_features, generator=generator))
             g_idx = act_order_g_idx(in_features, settings.group_size, perm)
         min_zero = 1 if settings.method == "gptq" and settings.checkpoint_format == "gptq" else 0

@@ -76,7 +76,7 @@ def prefill_logits(
     (under tensor parallelism: on the group's first rank; [S, V / tp] elsewhere). On CPU.
     `kv_cache_dtype`: the cache's (fp8: kernels/fp8_kv.py); None, the model's."""
     c = model.config
-    device = model.lm_head.weight.device
+    device = model.model.embed_tokens.weight.device
     attention = model.model.layers[0].self_attn
     assert isinstance(attention, Attention)
     num_kv_heads = attention.num_kv_heads  # this rank's share under tensor parallelism
@@ -102,7 +102,7 @@ def prefill_logits(
         cpu_plan=make_plan(query_start_loc, lens) if device.type == "cpu" else None,
     )
     shape = (firsts[-1], 2, block_size, num_kv_heads, c.head_dim)
-    dtype = kv_cache_dtype or model.lm_head.weight.dtype
+    dtype = kv_cache_dtype or model.model.embed_tokens.weight.dtype
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
     input_ids = torch.tensor([t for p in prompts for t in p], device=device)
     with torch.inference_mode():

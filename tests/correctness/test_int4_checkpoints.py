@@ -50,6 +50,7 @@ SETTINGS = {
     "gptq_act_order_sym": Int4Settings("gptq", sym=True, desc_act=True),
     "gptq_v2_one_group": Int4Settings("gptq", group_size=-1, checkpoint_format="gptq_v2"),
     "awq": Int4Settings("awq"),
+    "gptq_lm_head": Int4Settings("gptq", desc_act=True, lm_head=True),
 }
 _SMALL_ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", num_blocks=32, block_size=4, max_model_len=64)
 
@@ -75,6 +76,7 @@ def test_checkpoint_computes_its_dequantized_weights(pair: tuple[str, Path, Path
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Int4Linear) and qkv.spec.method == SETTINGS[name].method
     assert qkv.act_order == SETTINGS[name].desc_act
+    assert isinstance(model.lm_head, Int4Linear) == SETTINGS[name].lm_head
     actual = logits(model)
     torch.testing.assert_close(actual, logits(load(dequantized_dir)), rtol=0, atol=1e-4)
     unquantized = logits(load(float_dir))
@@ -83,7 +85,7 @@ def test_checkpoint_computes_its_dequantized_weights(pair: tuple[str, Path, Path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "gptq_lm_head"])
 def test_gpu_kernels_compute_the_dequantized_model(method: str, tmp_path: Path) -> None:
     """On a GPU in bf16, with dims that fit the pairs layout (kernels/int4_rows.py): one
     token (the batch-1 GEMV), 2 prompts of 34 tokens (the tensor-core kernel) and one of 150
@@ -91,13 +93,15 @@ def test_gpu_kernels_compute_the_dequantized_model(method: str, tmp_path: Path) 
     cuBLAS multiplies: relative logit error < 2e-2 (bf16 rounds the twin's weights and
     both models' activations; a misread layout gives 100%)."""
     config = {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512, "max_position_embeddings": 256}
-    quantized_dir, dequantized_dir, _ = write_int4_pair(tmp_path, Int4Settings(method, group_size=128), model_config=config)
+    settings = Int4Settings(method.removesuffix("_lm_head"), group_size=128, lm_head=method.endswith("_lm_head"))
+    quantized_dir, dequantized_dir, _ = write_int4_pair(tmp_path, settings, model_config=config)
 
     def load_gpu(path: Path) -> CausalLM:
         return load_model(resolve(ModelConfig(model=str(path))), torch.bfloat16, torch.device("cuda"))
 
     quantized, dequantized = load_gpu(quantized_dir), load_gpu(dequantized_dir)
     layers = [quantized.model.layers[0].self_attn.qkv_proj, quantized.model.layers[1].mlp.down_proj]
+    layers += [quantized.lm_head] if settings.lm_head else []
     assert all(isinstance(layer, Int4Linear) and layer.layout == "pairs" for layer in layers)
     for prompts in ([[7]], [list(range(3, 37)), [(11 * i) % 256 for i in range(34)]], [[(5 * i + 1) % 256 for i in range(150)]]):
         actual = torch.cat(prefill_logits(quantized, prompts, block_size=16)).float()
@@ -106,8 +110,9 @@ def test_gpu_kernels_compute_the_dequantized_model(method: str, tmp_path: Path) 
         assert relative_error < 2e-2, (len(prompts), relative_error)
 
 
-def test_greedy_tokens_equal_dequantized_model(tmp_path: Path) -> None:
-    quantized_dir, dequantized_dir, _ = write_int4_pair(tmp_path, SETTINGS["gptq_act_order_sym"])
+@pytest.mark.parametrize("name", ["gptq_act_order_sym", "gptq_lm_head"])
+def test_greedy_tokens_equal_dequantized_model(name: str, tmp_path: Path) -> None:
+    quantized_dir, dequantized_dir, _ = write_int4_pair(tmp_path, SETTINGS[name])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = [
         [o.outputs[0].token_ids for o in LLM(str(path), **_SMALL_ENGINE).generate(PROMPTS, params, use_tqdm=False)]
@@ -141,9 +146,20 @@ def test_unquantized_weight_in_a_gptq_checkpoint_is_refused(tmp_path: Path) -> N
         load(quantized_dir)
 
 
+def test_quantized_lm_head_of_a_tied_model_is_refused(tmp_path: Path) -> None:
+    settings = Int4Settings("gptq", lm_head=True)
+    quantized_dir, _, _ = write_int4_pair(tmp_path, settings, model_config={**TINY_LLAMA, "tie_word_embeddings": True})
+    with pytest.raises(ModelLoadError, match="lm_head is true.*tie_word_embeddings"):
+        LLM(str(quantized_dir), **_SMALL_ENGINE)
+
+
 @pytest.mark.parametrize(
     "setting, value, words",
-    [("bits", 8, ["bits", "8", "4-bit"]), ("version", "gemv", ["version", "gemv", "gemm"])],
+    [
+        ("bits", 8, ["bits", "8", "4-bit"]),
+        ("version", "gemv", ["version", "gemv", "gemm"]),
+        ("lm_head", "yes", ["lm_head", "'yes'", "true or false"]),
+    ],
 )
 def test_unsupported_setting_is_refused(tmp_path: Path, setting: str, value: Any, words: list[str]) -> None:
     settings = SETTINGS["awq"] if setting == "version" else SETTINGS["gptq"]
