@@ -7,10 +7,11 @@ sweep of its configs; GB/s counts packed weight bytes (K * N / 2), against the c
 bandwidth of the same run. Then M = 4 and 16 (batched decode): the rows layout's tl.dot
 tiles against the GPTQ kernels, and a check of each path against the torch reference.
 
-    PYTHONPATH=. python benchmarks/bench_int4_gemv.py [--quick] [--shapes qkv,o,gate_up,down]
+    PYTHONPATH=. python benchmarks/bench_int4_gemv.py [--quick] [--shapes qkv,o,gate_up,down] [--silu-mul]
     PYTHONPATH=. python benchmarks/bench_int4_gemv.py --mma [--mma-rows 1,4,16,64,128] [--quick]
 
-`--mma`: the tensor-core kernel (kernels/triton_int4_mma.py) against the GEMV and the rows
+`--silu-mul`: gate_up's pairs GEMV (its default, and the sweep) also applies SiLU-and-mul, as
+decode runs it. `--mma`: the tensor-core kernel (kernels/triton_int4_mma.py) against the GEMV and the rows
 layout's tiles instead, per rows of x.
 """
 
@@ -31,7 +32,7 @@ from kernels.int4_rows import gptq_to_pairs, gptq_to_rows
 from kernels.triton_int4_gemm import int4_gemm
 from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
 from kernels.triton_int4_mma import int4_mma, pick_mma_config
-from kernels.triton_int4_rows import gemv_rows, int4_gemm_rows, pick_rows_config
+from kernels.triton_int4_rows import gemv_rows, int4_gemm_rows, packed_math, pick_rows_config
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
@@ -64,7 +65,9 @@ def timed(calls: list[Callable[[], object]]) -> float:
     return graph_seconds(calls) * 1e6
 
 
-def gemv_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool) -> None:
+def gemv_row(
+    name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool, silu_mul: bool = False
+) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     packed_bytes = k * n // 2
@@ -83,11 +86,16 @@ def gemv_row(name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], ban
     default = pick_rows_config(n, k, num_sms)
     record("rows_default", timed([functools.partial(gemv_rows, x, t["rows"], t["qzeros"], t["scales"], None, GROUP, 1, default) for t in sets]))
     row["rows_default_config"] = repr(default)
-    record("pairs_default", timed([functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, default, True) for t in sets]))
+    pairs = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))  # decode's config
+    row["pairs_default_config"] = repr(pairs)
+    record("pairs_default", timed([functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True) for t in sets]))
+    silu = silu_mul and name == "gate_up"  # decode's gate_up: SiLU-and-mul in the GEMV
+    if silu:
+        record("pairs_silu_default", timed([functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True, True) for t in sets]))
     sweep = []
     for block_n, unroll, warps, stages, pps in [] if quick else SWEEP:
         cfg = pick_rows_config(n, k, num_sms, block_n, unroll, warps, pps, stages)
-        calls = [functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, cfg, True) for t in sets]
+        calls = [functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, cfg, True, silu) for t in sets]
         sweep.append((timed(calls), f"bn={block_n} u={unroll} w={warps} st={stages} pps={pps} split={cfg.split_k}"))
     if sweep:
         sweep.sort()
@@ -133,7 +141,7 @@ def mma_row(
             old = [functools.partial(int4_gemm_rows, x, s["rows"], s["qzeros"], s["scales"], GROUP, 1) for s in sets]
         row[f"m{m}_rows_us"] = round(timed(old), 2)
         if m == 1:  # the same GEMV reading the pairs layout
-            cfg = pick_rows_config(n, k, num_sms)
+            cfg = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))
             calls = [functools.partial(gemv_rows, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg, True) for s in sets]
             row["m1_pairs_gemv_us"] = round(timed(calls), 2)
         sweep = []
@@ -179,6 +187,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--mma", action="store_true", help="only the tensor-core kernel against the rows GEMV")
     parser.add_argument("--mma-rows", default="1,4,16,64,128", help="rows of x for --mma")
+    parser.add_argument("--silu-mul", action="store_true", help="gate_up's pairs GEMV with SiLU-and-mul, as decode runs it")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
@@ -188,7 +197,7 @@ def main() -> None:
         if args.mma:
             mma_row(name, k, n, sets, bandwidth, args.quick, tuple(int(r) for r in args.mma_rows.split(",")))
         else:
-            gemv_row(name, k, n, sets, bandwidth, args.quick)
+            gemv_row(name, k, n, sets, bandwidth, args.quick, args.silu_mul)
             check_and_batched(name, k, n, sets)
         del sets
         torch.cuda.empty_cache()

@@ -1,5 +1,6 @@
 """Device-resident int32 semaphores for kernels whose last program to arrive finishes the
-work of all (the split-K INT4 GEMVs' reduction), and that reduction (`reduce_splits`).
+work of all (the split-K INT4 GEMVs' reduction), and that reduction (`sum_splits`, and
+`reduce_splits`, which also stores y).
 
 Each set lives for the process and is all 0 between launches: the last program sets its
 semaphore back to 0, so a CUDA graph replays the kernel as is, with no zeroing launch.
@@ -32,20 +33,19 @@ def semaphores(owner: str, device: torch.device, count: int) -> torch.Tensor:
 
 
 @triton.jit
-def reduce_splits(
-    acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr
-):  # fmt: skip
-    """acc: this program's fp32 y^T tile [BN, BM] (rows offs_n of y^T, columns offs_m), its
-    part of a product whose K is split over program_id(2) (grid: M blocks, N blocks,
-    split_k). Each writes its partial into the workspace ws [split_k, M, N] and counts
-    itself in on the semaphore of its tile; the last to arrive writes y = sum of partials
-    + bias in y's dtype and sets the semaphore back to 0. split_k 1: y = acc + bias."""
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    tile = offs_m[None, :] * N + offs_n[:, None]
+def sum_splits(acc, offs_m, offs_n, M, N, split_k, ws_ptr, lock_ptr):
+    """acc: this program's fp32 y^T tile [BN, BM] (rows offs_n of y^T, columns offs_m; rows
+    at or past N are not stored), its part of a product whose K is split over program_id(2)
+    (grid: M blocks, N blocks, split_k). Each writes its partial into the workspace ws
+    [split_k, M, N] and counts itself in on the semaphore of its tile; the last to arrive
+    sets the semaphore back to 0. -> (the sum of the partials, in the last program only;
+    whether this program is the last, a scalar: it stores the tile). split_k 1: (acc, True)."""
     if split_k == 1:
         total = acc
-        is_last = mask
+        is_last = tl.full((), True, tl.int1)
     else:
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        tile = offs_m[None, :] * N + offs_n[:, None]
         tl.store(ws_ptr + tl.program_id(2) * M * N + tile, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the semaphore counts it
         lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
@@ -55,7 +55,16 @@ def reduce_splits(
         for split in range(split_k):
             total += tl.load(ws_ptr + split * M * N + tile, mask=mask & is_last, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(lock, 0, mask=is_last, sem="relaxed")
-        is_last = mask & is_last
+    return total, is_last
+
+
+@triton.jit
+def reduce_splits(
+    acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr
+):  # fmt: skip
+    """sum_splits, then the last program writes y = sum of partials + bias in y's dtype."""
+    total, is_last = sum_splits(acc, offs_m, offs_n, M, N, split_k, ws_ptr, lock_ptr)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total.to(y_ptr.dtype.element_ty), mask=is_last)
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :] & is_last
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total.to(y_ptr.dtype.element_ty), mask=mask)

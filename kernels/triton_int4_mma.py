@@ -41,7 +41,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
 from kernels.semaphores import reduce_splits, semaphores
-from kernels.triton_int4_rows import gemv_rows, pick_rows_config
+from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
@@ -51,6 +51,8 @@ DEQUANT_MIN_ROWS = 128
 # cores made batch-1 decode of llama-3.1-8b 3.197 ms against 3.060 with the GEMV (then on
 # the rows layout; one H200 call, docs/benchmarks.md).
 ONE_ROW_ON_TENSOR_CORES = False
+# At one row, SiLU-and-mul of a [gate | up] product in the GEMV's last program (one launch).
+SILU_MUL_GEMV = True
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -264,16 +266,23 @@ def int4_gemm_pairs(
     group_size: int,
     zero_offset: int,
     num_sms: int = 132,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ a pairs-layout INT4 weight -> [M, N] in x's dtype (semantics of
     kernels.int4_reference.int4_gemm on the same weight); group_size -1: one group. Up to
-    DEQUANT_MIN_ROWS rows on the tensor cores here, above that cuBLAS on the dequantized weight."""
+    DEQUANT_MIN_ROWS rows on the tensor cores here, above that cuBLAS on the dequantized weight.
+    silu_mul: the weight is [gate | up], the result silu_and_mul of the product, [M, N / 2]
+    (one launch at one row: the GEMV applies it to its sums)."""
     m, k = x.shape
     n = qweight.shape[0]
     group = k if group_size == -1 else group_size
+    if silu_mul and (m != 1 or ONE_ROW_ON_TENSOR_CORES or not SILU_MUL_GEMV):
+        from kernels import silu_and_mul
+
+        return silu_and_mul(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms))
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
     if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
-        config = pick_rows_config(n, k, num_sms)
-        return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, pairs=True)
+        config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
+        return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

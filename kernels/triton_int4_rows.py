@@ -36,12 +36,16 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
 from kernels.int4_rows import ROW_BLOCK
-from kernels.semaphores import reduce_splits, semaphores
+from kernels.semaphores import semaphores, sum_splits
+from kernels.triton_linear import store_outputs, weight_rows
 
 # Rows of x above which the weight is dequantized for cuBLAS instead of tl.dot tiles.
 DEQUANT_MIN_ROWS = 128
 # Blocks of 128 inputs per step of the one-row GEMV (pick_rows_config's default).
 GEMV_UNROLL = 2
+# Outputs from which the one-row GEMV takes 128 outputs a program on 2 warps (llama-3.1-8b's
+# gate_up, 28672; 64 on 4 warps below, docs/benchmarks.md).
+WIDE_N = 16384
 # The one-row GEMV on the pairs layout multiplies in x2 arithmetic of x's dtype where it can
 # (_word_dots_ptx: groups of 128 inputs or more, bf16 or fp16 x, on a GPU), else in fp32.
 PACKED_PAIRS = True
@@ -118,7 +122,7 @@ def _rows_gemv_kernel(
     N, K, stride_qn, group_size, split_k, exponent,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
     GROUP_J: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PAIRS: tl.constexpr, PACKED: tl.constexpr,
-    FP16: tl.constexpr,
+    FP16: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     """Program (0, N block, split). GROUP_J: nibble runs of 16 inputs per group, at most 8.
     stride_qn (K / 8) is its own argument so that Triton sees it divisible by 16 (16-byte loads).
@@ -126,11 +130,15 @@ def _rows_gemv_kernel(
     read in the same loop: per p one load of x's 32 inputs, split into the two nibbles' vectors;
     GROUP_J then counts runs of 32 inputs (at most 4). PACKED (pairs, groups of 128 inputs or
     more, 16-bit x, on a GPU): a word's eight products in x2 arithmetic (_word_dots_ptx), the
-    group's zero subtracted from each weight, its scale times each word's sum."""
+    group's zero subtracted from each weight, its scale times each word's sum. SILU_MUL: the
+    weight is [gate | up] (N = 2I rows); a program reads gate rows n and up rows I + n
+    (BLOCK_N / 2 outputs) and stores silu(gate) * up, y [1, I]."""
     pid_n = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows_n = tl.where(mask_n, offs_n, 0)  # rows past N read row 0; their sums are not stored
+    # The weight rows of this program; rows past N (past I for SILU_MUL) read row 0, unstored.
+    if SILU_MUL:
+        rows_n, valid = weight_rows(pid_n, N // 2, BLOCK_N // 2, True)
+    else:
+        rows_n, valid = weight_rows(pid_n, N, BLOCK_N, False)
     offs_u = tl.arange(0, UNROLL)
     offs_w = tl.arange(0, 16)
     words = qweight_ptr + rows_n[:, None, None] * stride_qn + offs_u[None, :, None] * 16 + offs_w[None, None, :]
@@ -184,21 +192,32 @@ def _rows_gemv_kernel(
                     part = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
                     x_sum = tl.zeros((UNROLL, 16), dtype=tl.float32)
     partial = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # y^T [BN, 1]
-    reduce_splits(partial, tl.arange(0, 1), offs_n, 1, N, N, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
+    out_rows = tl.where(valid, rows_n, N)
+    total, is_last = sum_splits(partial, tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
+    y = tl.reshape(total, (BLOCK_N,))
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows_n, mask=valid, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        store_outputs(y, y_ptr, pid_n, N // 2, BLOCK_N // 2, True, is_last)
+    else:
+        tl.store(y_ptr + out_rows, y.to(y_ptr.dtype.element_ty), mask=valid & is_last)
 
 
 def pick_rows_config(
     n: int, k: int, num_sms: int, block_n: int | None = None, unroll: int | None = None, num_warps: int | None = None,
-    programs_per_sm: int = 4, num_stages: int = 3,
+    programs_per_sm: int = 4, num_stages: int = 3, packed: bool = False,
 ) -> RowsGemvConfig:  # fmt: skip
     """Split K until about `programs_per_sm` programs per SM, in at least two ranges (more
     warps in flight: the loop is latency-bound). The defaults are the best of
     benchmarks/bench_int4_gemv.py's sweep on the pairs layout on the H200 for llama-3.1-8b
     (docs/benchmarks.md): 64 outputs per program, two blocks of 128 inputs per step, 4 warps
-    (2 rows per thread) below K = 8192, 2 warps (4 rows per thread) from there."""
-    block_n = block_n or 64
+    (2 rows per thread) below K = 8192, 2 warps (4 rows per thread) from there; from WIDE_N
+    outputs in x2 arithmetic (`packed`: the pairs GEMV's PACKED path, fewer registers a row),
+    128 outputs per program on 2 warps (8 rows per thread)."""
+    wide = packed and n >= WIDE_N and k < 8192
+    block_n = block_n or (128 if wide else 64)
     unroll = unroll or GEMV_UNROLL
-    num_warps = num_warps or (4 if k < 8192 else 2)
+    num_warps = num_warps or (4 if k < 8192 and not wide else 2)
     num_blocks = k // ROW_BLOCK
     while num_blocks % unroll:
         unroll //= 2
@@ -223,16 +242,20 @@ def gemv_rows(
     zero_offset: int,
     config: RowsGemvConfig,
     pairs: bool = False,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ a rows-layout INT4 weight (qweight [N, K/8]) (+ bias) -> [1, N] in x's dtype;
-    group_size: inputs per group (K for one group). pairs: the weight is in the pairs layout."""
+    group_size: inputs per group (K for one group). pairs: the weight is in the pairs layout.
+    silu_mul: the weight is [gate | up] and the result silu(gate) * up, [1, N / 2], rounded as
+    `silu_and_mul` of the plain result (a program reads config.block_n / 2 outputs of each)."""
     x = x.contiguous()
     n, num_words = qweight.shape
     k = num_words * 8
     assert x.shape == (1, k) and k % (ROW_BLOCK * config.unroll) == 0, (x.shape, qweight.shape, config)
     assert qweight.numel() < 2**31, "int32 offsets"
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    num_blocks_n = triton.cdiv(n, config.block_n)
+    assert not silu_mul or (n % 2 == 0 and config.block_n % 2 == 0), f"{n} rows are not [gate | up] ({config})"
+    y = torch.empty(1, n // 2 if silu_mul else n, dtype=x.dtype, device=x.device)
+    num_blocks_n = triton.cdiv(y.shape[1], config.block_n // 2 if silu_mul else config.block_n)
     workspace = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device)
     use_pdl = pdl.enabled(x)
     _rows_gemv_kernel[(1, num_blocks_n, config.split_k)](
@@ -241,7 +264,7 @@ def gemv_rows(
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
         GROUP_J=min(4, group_size // 32) if pairs else min(8, group_size // 16), NUM_STAGES=config.num_stages,
         PDL=use_pdl, PAIRS=pairs, PACKED=pairs and packed_math(x.dtype, group_size), FP16=x.dtype == torch.float16,
-        num_warps=config.num_warps, launch_pdl=use_pdl,
+        SILU_MUL=silu_mul, num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
 

@@ -50,9 +50,10 @@ def weight_rows(pid, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def store_outputs(y, y_row_ptr, pid, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+def store_outputs(y, y_row_ptr, pid, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, ready=True):
     """Store a program's fp32 row results (as weight_rows ordered them) in y's dtype; with
-    SILU_MUL, silu(gate) * up rounded as `silu_and_mul` of the stored halves would be."""
+    SILU_MUL, silu(gate) * up rounded as `silu_and_mul` of the stored halves would be.
+    ready: a scalar; False stores nothing (a split-K program that is not the last)."""
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     element_ty: tl.constexpr = y_row_ptr.dtype.element_ty
     if SILU_MUL:
@@ -60,7 +61,7 @@ def store_outputs(y, y_row_ptr, pid, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.cons
         out = silu_times(gate.to(element_ty), up.to(element_ty), element_ty)
     else:
         out = y.to(element_ty)
-    tl.store(y_row_ptr + offs_n, out, mask=offs_n < N)
+    tl.store(y_row_ptr + offs_n, out, mask=(offs_n < N) & ready)
 
 
 @triton.jit

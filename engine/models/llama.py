@@ -30,8 +30,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A gate_up layer with forward_silu_mul (dense, fp8, int8) applies SiLU-and-mul inside
-        # its batch-1 GEMV; LoRA and INT4 layers are followed by the separate kernel.
+        # A gate_up layer with forward_silu_mul (dense, fp8, int8, INT4) applies SiLU-and-mul
+        # inside its batch-1 GEMV; LoRA layers are followed by the separate kernel.
         fused = getattr(self.gate_up_proj, "forward_silu_mul", None)
         h = fused(x) if fused is not None else silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(h)

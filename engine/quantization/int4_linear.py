@@ -235,13 +235,25 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        flat = x.reshape(-1, self.in_features)
-        g_idx = self.g_idx if self.act_order else None
-        s = self.spec
-        y = kernels.int4_gemm(flat, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset)
+        y = self._product(x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(self(x)) for a [gate | up] layer: one launch for a decode row on the
+        pairs layout (kernels.int4_gemm's silu_mul), two elsewhere."""
+        if self.bias is not None:
+            return kernels.silu_and_mul(self(x))
+        y = self._product(x.reshape(-1, self.in_features), silu_mul=True)
+        return y.reshape(*x.shape[:-1], self.out_features // 2)
+
+    def _product(self, flat: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        g_idx = self.g_idx if self.act_order else None
+        s = self.spec
+        return kernels.int4_gemm(
+            flat, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset, silu_mul
+        )
 
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:

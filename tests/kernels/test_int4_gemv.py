@@ -121,6 +121,29 @@ def test_gemv_semaphores_are_zero_after_a_launch_and_a_rerun_agrees() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["split1", "split3", "unroll2"])
+def test_gemv_silu_mul_equals_the_two_launches(dtype: torch.dtype, config: RowsGemvConfig) -> None:
+    # [gate | up] of 2 x 40 rows (a ragged last block in each half), pairs layout; the fused
+    # launch rounds gate and up to x's dtype as the plain GEMV stores them, then silu * up.
+    # fp16: the two may differ by an ulp of the output (exp in Triton vs torch).
+    k, n = 512, 80
+    t = gptq_tensors(k, n, 128, 1, seed=6)
+    x = randn(1, k, dtype=dtype, seed=7)
+    args = (x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, config, True)
+    fused = gemv_rows(*args, silu_mul=True)
+    assert int(semaphores.SETS["int4_gemv", x.device].count_nonzero()) == 0
+    expected = kernels.silu_and_mul(gemv_rows(*args))
+    assert fused.dtype == dtype and fused.shape == (1, n // 2)
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(fused, expected, atol=tol, rtol=tol)
+    # kernels.int4_gemm off the fused path (CPU): silu_and_mul of the product.
+    assert torch.equal(
+        kernels.int4_gemm(x, args[1], t["qzeros"], t["scales"], None, 128, "pairs", 1, silu_mul=True),
+        kernels.silu_and_mul(kernels.int4_gemm(x, args[1], t["qzeros"], t["scales"], None, 128, "pairs", 1)),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 20, 130], ids=["gemv", "dot16", "dot64", "dequant"])
 def test_int4_gemm_rows_every_path(dtype: torch.dtype, m: int) -> None:
     for group_size, zero_offset in ((64, 1), (128, 0)):
@@ -136,6 +159,10 @@ def test_pick_rows_config_splits_k_to_fill_the_gpu() -> None:
     assert small.split_k > 1 and 4096 // 128 % small.unroll == 0
     assert pick_rows_config(28672, 4096, num_sms=132).split_k < small.split_k
     assert pick_rows_config(64, 128, num_sms=132).split_k == 1  # one block: nothing to split
+    # gate_up in x2 arithmetic: 128 outputs a program on 2 warps; the fp32 path keeps 64 on 4.
+    wide = pick_rows_config(28672, 4096, num_sms=132, packed=True)
+    assert (wide.block_n, wide.num_warps) == (128, 2)
+    assert (pick_rows_config(28672, 4096, num_sms=132).block_n, pick_rows_config(6144, 4096, 132, packed=True).block_n) == (64, 64)
 
 
 # --- The dispatch and the layer (torch on CPU)
@@ -243,6 +270,21 @@ def test_cuda_pairs_gemv_x2_math_against_fp32(dtype: torch.dtype, group_size: in
 
     bound = {torch.bfloat16: 4.5e-3, torch.float16: 1e-3}[dtype]
     assert rel(exact) < bound / 2 and rel(packed) < bound, (rel(exact), rel(packed))
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 3])
+def test_cuda_gate_up_silu_mul_equals_the_two_launches(m: int) -> None:
+    # llama-3.1-8b's gate_up (4096 -> 2 x 14336) in bf16: one row takes the fused GEMV, three
+    # the tensor-core kernel and the SiLU kernel. The same sums, rounded the same way.
+    k, n = 4096, 28672
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(m, k, dtype=torch.bfloat16, seed=13)
+    args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    fused = kernels.int4_gemm(x, *args, silu_mul=True)
+    expected = kernels.silu_and_mul(kernels.int4_gemm(x, *args))
+    assert fused.shape == (m, n // 2)
+    torch.testing.assert_close(fused, expected, atol=0, rtol=0)
 
 
 @cuda_only
