@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from engine.errors import ModelLoadError
 from engine.layers.attention import Attention
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -161,10 +162,18 @@ class CausalLM(nn.Module):
             owner, _, leaf = target.rpartition(".")
             if owner in quantized:
                 assert not isinstance(shard, tuple), "quantized MoE experts are refused by quantize_model"
-                quantized[owner].load_shard(leaf, tensor, _SHARD_INDEX.get(shard, 0) if shard is not None else 0)
+                try:
+                    quantized[owner].load_shard(leaf, tensor, _SHARD_INDEX.get(shard, 0) if shard is not None else 0)
+                except ModelLoadError as e:
+                    why = str(e)
+                    if owner == "lm_head" and leaf == "weight":
+                        why = "quantization_config.lm_head is true, but lm_head is not quantized here: set it false"
+                    raise ModelLoadError(f"{name}: {why}") from None
                 continue
             if target not in params:
-                raise KeyError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
+                head = owner == "lm_head" and leaf != "weight"
+                hint = " (a quantized lm_head: its quantization_config must say lm_head: true)" if head else ""
+                raise KeyError(f"checkpoint tensor {name} has no place in {self.config.architecture}{hint}")
             param = params[target]
             dest = param.data if shard is None else self._shard(target, param.data, shard)
             if dest.shape != tensor.shape:

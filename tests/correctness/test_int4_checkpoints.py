@@ -153,6 +153,20 @@ def test_quantized_lm_head_of_a_tied_model_is_refused(tmp_path: Path) -> None:
         LLM(str(quantized_dir), **_SMALL_ENGINE)
 
 
+@pytest.mark.parametrize("declared", [True, False])
+def test_lm_head_that_does_not_match_the_declared_flag_is_refused(tmp_path: Path, declared: bool) -> None:
+    # lm_head: true over an unquantized lm_head.weight, or false over a packed lm_head.
+    quantized_dir, _, _ = write_int4_pair(tmp_path, Int4Settings("gptq", lm_head=not declared))
+    config = json.loads((quantized_dir / "config.json").read_text())
+    config["quantization_config"]["lm_head"] = declared
+    (quantized_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as info:
+        load(quantized_dir)
+    message = str(info.value)
+    assert ("lm_head.weight: " if declared else "checkpoint tensor lm_head.") in message
+    assert ("lm_head is true, but lm_head is not quantized" if declared else "must say lm_head: true") in message
+
+
 @pytest.mark.parametrize(
     "setting, value, words",
     [
