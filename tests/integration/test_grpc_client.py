@@ -255,12 +255,17 @@ def test_chat_ctrl_c_cancels_the_reply_and_chat_goes_on(cluster: LocalCluster) -
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert chat.stdin is not None and chat.stdout is not None
-    chat.stdin.write("Count from 1 to 500, separated by commas.\n")
-    chat.stdin.flush()
-    assert chat.stdout.read(1), "the reply starts streaming"
-    chat.send_signal(signal.SIGINT)
-    _assert_blocks_return(cluster)
-    out, err = chat.communicate("Say hello.\n", timeout=120)
+    try:
+        chat.stdin.write("Count from 1 to 500, separated by commas.\n")
+        chat.stdin.flush()
+        assert chat.stdout.read(1), "the reply starts streaming"
+        chat.send_signal(signal.SIGINT)
+        _assert_blocks_return(cluster)
+        out, err = chat.communicate("Say hello.\n", timeout=120)
+    finally:
+        if chat.poll() is None:  # a failed step leaves no chat process behind
+            chat.kill()
+            chat.wait()
     assert chat.returncode == 0, err
     assert "[cancelled]" in err
     assert len(_prompt_tokens(err)) == 1  # the second message was answered (the first was not)
