@@ -32,7 +32,8 @@ from kernels.int4_rows import gptq_to_pairs, gptq_to_rows
 from kernels.triton_int4_gemm import int4_gemm
 from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
 from kernels.triton_int4_mma import int4_mma, pick_mma_config
-from kernels.triton_int4_rows import gemv_rows, int4_gemm_rows, packed_math, pick_rows_config
+from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
+from kernels.triton_int4_rows_dot import int4_gemm_rows
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128

@@ -98,7 +98,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
         for warps in (4, 2):  # pick_rows_config: 64 outputs, 2 blocks per step; 4 warps below K = 8192, else 2
             consts = dict(
                 ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_N=64, UNROLL=2, GROUP_J=8 if layout == "rows" else 4, NUM_STAGES=3,
-                PDL=True, PAIRS=layout != "rows", PACKED=layout == "pairs, x2 math", FP16=False,
+                PDL=True, PAIRS=layout != "rows", PACKED=layout == "pairs, x2 math", FP16=False, SILU_MUL=False,
             )  # fmt: skip
             name = f"INT4 {layout} GEMV, 64 outputs, {warps} warps"
             out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))

@@ -216,12 +216,12 @@ def int4_gemm(
             from kernels import int4_reference
 
             return int4_reference.int4_gemm(x, qweight, qzeros, scales, None, group_size, layout, zero_offset)
-        from kernels import triton_int4_gemm, triton_int4_mma, triton_int4_rows
+        from kernels import triton_int4_gemm, triton_int4_mma, triton_int4_rows_dot
 
         num_sms = triton_int4_gemm._num_sms(x.device)
         if layout == "pairs":
             return triton_int4_mma.int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms, silu_mul)
-        return triton_int4_rows.int4_gemm_rows(x, qweight, qzeros, scales, group_size, zero_offset, num_sms)
+        return triton_int4_rows_dot.int4_gemm_rows(x, qweight, qzeros, scales, group_size, zero_offset, num_sms)
     if not x.is_cuda:
         from kernels import int4_reference
 

@@ -9,8 +9,8 @@ contiguous, which is what a batch-1 GEMV wants. Two of them, both qweight int32 
            two halves of a word are adjacent inputs, what a tensor-core operand register
            holds (kernels/triton_int4_mma.py); the CUDA-core GEMV reads it too.
 
-kernels/triton_int4_rows.py reads both at one row of x (its `pairs` flag) and "rows" at
-2..128 rows; kernels/triton_int4_mma.py reads "pairs" at 2..128 rows. Int4Linear repacks
+kernels/triton_int4_rows.py reads both at one row of x (its `pairs` flag),
+kernels/triton_int4_rows_dot.py "rows" at 2..128 rows; kernels/triton_int4_mma.py reads "pairs" at 2..128 rows. Int4Linear repacks
 into DECODE_LAYOUT where the layout fits (`pairs_layout_fits`: runs of 32 inputs within a
 group; `rows_layout_fits`: runs of 16), else into rows, else keeps GPTQ's.
 The torch functions here are the definition: `rows_to_gptq(gptq_to_rows(w)) == w`,

@@ -26,10 +26,10 @@ from kernels.int4_rows import gptq_to_pairs, gptq_to_rows, rows_layout_fits, row
 from kernels.triton_int4_rows import (
     RowsGemvConfig,
     gemv_rows,
-    int4_gemm_rows,
     packed_math,
     pick_rows_config,
 )
+from kernels.triton_int4_rows_dot import int4_gemm_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
