@@ -1,8 +1,9 @@
 """INT4 products of a few rows of x (batched decode, 2..128 rows) on the tensor cores, on
 the "pairs" layout (kernels/int4_rows.py): the weight is the tall operand of tl.dot, x^T
 (its rows zero-padded to BLOCK_M) the narrow one. One row (batch-1 decode) goes to the
-CUDA-core GEMV of kernels/triton_int4_rows.py, which reads the pairs layout too and was
-faster there on the H200 (ONE_ROW_ON_TENSOR_CORES; docs/benchmarks.md).
+warp-level MMA GEMV of kernels/triton_int4_mma_gemv.py (MMA_GEMV; without shared memory,
+8% faster on llama-3.1-8b's layer than the x2 CUDA-core GEMV of kernels/triton_int4_rows.py,
+which was faster than this kernel at one row: ONE_ROW_ON_TENSOR_CORES; docs/benchmarks.md).
 
 The weight tile is converted in registers, two weights per 32-bit register: the two
 16-bit halves of a word hold two adjacent inputs of one output, which is what the MMA's
@@ -40,6 +41,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
+from kernels import triton_int4_mma_gemv as mma_gemv
 from kernels.semaphores import reduce_splits, semaphores
 from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
@@ -53,6 +55,9 @@ DEQUANT_MIN_ROWS = 128
 ONE_ROW_ON_TENSOR_CORES = False
 # At one row, SiLU-and-mul of a [gate | up] product in the GEMV's last program (one launch).
 SILU_MUL_GEMV = True
+# At one row, the warp-level MMA GEMV (kernels/triton_int4_mma_gemv.py: bf16 or fp16 x, groups
+# of 128 inputs or more) instead of the x2 arithmetic CUDA-core GEMV (docs/benchmarks.md).
+MMA_GEMV = True
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -283,6 +288,9 @@ def int4_gemm_pairs(
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
     if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
+        if MMA_GEMV and mma_gemv.supported(x, group):
+            config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
+            return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, config, silu_mul)
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

@@ -1,0 +1,87 @@
+"""The batch-1 INT4 GEMV on warp-level MMAs (kernels/triton_int4_mma_gemv.py) against the x2
+arithmetic CUDA-core GEMV on the same pairs layout (kernels/triton_int4_rows.py) in the same
+run, on llama-3.1-8b's shapes (many calls in one CUDA graph over weights larger than the L2),
+each at its default config with its relative error against the fp32 reference, gate_up also
+with SiLU-and-mul fused (as decode runs it), and a sweep of the MMA GEMV's configs.
+
+    PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import torch
+
+from benchmarks.bench_gemv import copy_bandwidth
+from benchmarks.bench_int4_gemv import GROUP, SHAPES, packed_set, timed
+from kernels import int4_reference, silu_and_mul
+from kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
+from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
+
+# (16-row tiles per warp, blocks of 128 inputs per step, warps, programs per SM)
+SWEEP = [
+    (tiles, unroll, warps, pps)
+    for (tiles, warps), unroll, pps in itertools.product(
+        ((1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 2)), (1, 2, 4), (2, 4, 8)
+    )
+]
+
+
+def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    nbytes = k * n // 2
+    row: dict[str, object] = {"shape": name}
+    t = sets[0]
+    ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
+    pairs = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))
+    mma = pick_mma_gemv_config(n, k, num_sms)
+    for label, fn in (
+        ("pairs", lambda s: gemv_rows(x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, pairs, True)),
+        ("mma", lambda s: gemv_pairs_mma(x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma)),
+    ):
+        y = fn(t).float()
+        row[f"{label}_rel_err"] = round(float((y - ref).norm() / ref.norm()), 5)
+        us = timed([functools.partial(fn, s) for s in sets])
+        row[f"{label}_us"] = round(us, 2)
+        row[f"{label}_of_copy"] = round(nbytes / us / 1e3 / (bandwidth / 1e9), 3)
+    if name == "gate_up":  # decode's gate_up: SiLU-and-mul in the GEMV
+        silu = silu_and_mul(gemv_rows(x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True))
+        fused = gemv_pairs_mma(x, t["pairs"], t["qzeros"], t["scales"], GROUP, 1, mma, True)
+        row["mma_silu_equal_x2_silu"] = round(float((fused.float() - silu.float()).norm() / silu.float().norm()), 5)
+        for label, fn in (
+            ("pairs_silu", lambda s: gemv_rows(x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, pairs, True, True)),
+            ("mma_silu", lambda s: gemv_pairs_mma(x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma, True)),
+        ):
+            row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
+    sweep = []
+    for tiles, unroll, warps, pps in [] if quick else SWEEP:
+        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps)
+        calls = [functools.partial(gemv_pairs_mma, x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, cfg) for s in sets]
+        sweep.append((round(timed(calls), 2), f"tiles={tiles} u={unroll} w={warps} pps={pps} split={cfg.split_k}"))
+    if sweep:
+        sweep.sort()
+        row["mma_best"] = sweep[:6]
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        shape_row(name, k, n, bandwidth, args.quick)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The one-row INT4 GEMV (batch-1 decode) on the tensor cores, through warp-level MMAs
+(mma.sync m16n8k16) written in PTX, on the pairs layout (kernels/int4_rows.py). Each lane
+loads from global memory exactly the words its MMA operand needs: no shared memory, no
+barrier in the loop.
+
+The weight is the MMA's A operand (m16 x k16): lane (g, t) = (lane // 4, lane % 4) holds
+rows g and g + 8 of a 16-row tile at k-slots 2t, 2t + 1 (registers a0, a1) and 2t + 8,
+2t + 9 (a2, a3). On the pairs layout nibbles p and p + 4 of word w (bits 4p, 16 + 4p) are
+inputs 32p + 2w and 32p + 2w + 1, so a shift and one LOP3 make them a bf16x2 OFFSET + q
+(bf16 128 + q, fp16 1024 + q; exact): an A register as the MMA takes it. Lane t reads words
+4t..4t + 3 of each of its two rows' 128-input block (16 bytes each); MMA (p, h) takes pair
+p of words 4t + 2h (a0, a1) and 4t + 2h + 1 (a2, a3), so its k-slot 2t + e is input
+32p + 8t + 4h + e and slot 8 + 2t + e input 32p + 8t + 4h + 2 + e: a permutation of the
+block that B (x in all 8 columns) follows, b0 and b1 being x's 32-bit pairs 16p + 4t + 2h
+and + 1 (adjacent: one 16-byte load of x gives both MMAs of a p their B).
+
+The offset is not subtracted per weight: a second MMA chain with A = ones sums x over the
+block (X), and per block and row the fp32 sum becomes sum_k (q_k - zero) x_k = D -
+(OFFSET + zero) X, times the group's scale, into the accumulator. Products and sums are
+fp32 in the MMA (bf16 products are exact there), so only x is rounded: half the error of
+the x2 arithmetic GEMV (kernels/triton_int4_rows.py), whose four-term sums round to x's
+dtype. Per lane and block: 8 words, 32 LOP3, 24 shifts, 16 MMAs (8 weight, 8 sum), 4 FMAs.
+
+Every row of D is x . w (x is in every column of B): lane (g, t) reads outputs g and g + 8
+from d0 and d2. The PTX is right only if element i of the [T] tensors it reads sits in
+lane i % 32 of warp (i // 32) % WARPS, the blocked layout Triton gives them;
+tests/kernels/test_int4_mma_gemv.py checks the compiled kernel's layout (on any machine)
+and its values (on a GPU). K may be split over programs, whose partials meet under a
+semaphore (kernels/semaphores.py); SILU_MUL reads gate and up rows and stores
+silu(gate) * up, as the x2 GEMV does. GPU only (PTX); the wrapper reads only shapes:
+graph-capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from kernels import pdl
+from kernels.int4_rows import ROW_BLOCK
+from kernels.semaphores import semaphores, sum_splits
+from kernels.triton_linear import store_outputs
+
+
+@dataclass(frozen=True, slots=True)
+class MmaGemvConfig:
+    tiles: int  # 16-row tiles per warp (a program has 16 * tiles * num_warps outputs)
+    unroll: int  # blocks of 128 inputs per loop step; divides K / 128
+    split_k: int
+    num_warps: int = 4
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.tiles * self.num_warps
+
+
+def _block_asm(fp16: bool) -> str:
+    """PTX for one lane of a 16-row tile over a block of 128 inputs. Operands: $0, $1 the new
+    accumulators of rows g and g + 8; inputs $2-$5 row g's 4 words, $6-$9 row g + 8's,
+    $10, $11 -(OFFSET + zero) of each row (fp32), $12 + 4p + c x's pair 16p + 4t + c,
+    $28, $29 the scales of rows g and g + 8, $30, $31 their accumulators."""
+    magic = "0x64006400" if fp16 else "0x43004300"
+    kind = "f16" if fp16 else "bf16"
+    one = "0x3C003C00" if fp16 else "0x3F803F80"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    lines = [f"{{ .reg .b32 t, a<32>, one; .reg .f32 d<4>, e<4>, z; mov.f32 z, 0f00000000; mov.b32 one, {one};"]
+    for p in range(4):
+        for half in range(2):  # words 2 half and 2 half + 1 of each row
+            regs = []
+            for word in (f"${2 + 2 * half}", f"${6 + 2 * half}", f"${3 + 2 * half}", f"${7 + 2 * half}"):
+                reg = f"a{len(regs) + 4 * (2 * p + half) }"
+                if p:
+                    lines.append(f"shr.u32 t, {word}, {4 * p};")
+                lines.append(f"lop3.b32 {reg}, {word if p == 0 else 't'}, 0x000F000F, {magic}, 0xea;")
+                regs.append(reg)
+            b = f"{{${12 + 4 * p + 2 * half}, ${13 + 4 * p + 2 * half}}}"
+            first = p == 0 and half == 0
+            lines.append(f"{mma} {{d0, d1, d2, d3}}, {{{', '.join(regs)}}}, {b}, {'{z, z, z, z}' if first else '{d0, d1, d2, d3}'};")
+            lines.append(f"{mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {'{z, z, z, z}' if first else '{e0, e1, e2, e3}'};")
+    lines.append(
+        "fma.rn.f32 d0, $10, e0, d0; fma.rn.f32 $0, d0, $28, $30;"
+        " fma.rn.f32 d2, $11, e0, d2; fma.rn.f32 $1, d2, $29, $31; }"
+    )
+    return " ".join(lines)
+
+
+_ASM = {False: _block_asm(False), True: _block_asm(True)}
+_CONSTRAINTS = "=f,=f," + ",".join(["r"] * 8 + ["f"] * 2 + ["r"] * 16 + ["f"] * 4)
+
+
+@triton.jit
+def _split4(v):
+    """[T, 4] -> its four columns, [T] each."""
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _mma_block(
+    words_lo, words_hi, offset_lo, offset_hi, xa, xb, xc, xd, scale_lo, scale_hi, acc_lo, acc_hi,
+    ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
+):  # fmt: skip
+    """One block of 128 inputs into the accumulators of rows g and g + 8 ([T] each). words:
+    [T, 4] int32; xa..xd [T, 4]: x's pairs 4t + c, 16 + 4t + c, 32 + .., 48 + .. of the block
+    (b0 and b1 of MMA m = 0, b0 and b1 of m = 1)."""
+    lo0, lo1, lo2, lo3 = _split4(words_lo)
+    hi0, hi1, hi2, hi3 = _split4(words_hi)
+    a0, a1, a2, a3 = _split4(xa)
+    b0, b1, b2, b3 = _split4(xb)
+    e0, e1, e2, e3 = _split4(xc)
+    f0, f1, f2, f3 = _split4(xd)
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS,
+        [lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, offset_lo, offset_hi, a0, a1, a2, a3, b0, b1, b2, b3,
+         e0, e1, e2, e3, f0, f1, f2, f3, scale_lo, scale_hi, acc_lo, acc_hi],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _offset(qzeros_ptr, group, row, N, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
+    """-(OFFSET + zero) of a row in fp32: sum_k (OFFSET + q_k) x_k plus this times sum_k x_k
+    is sum_k (q_k - zero) x_k."""
+    zero = ((tl.load(qzeros_ptr + group * (N // 8) + row // 8) >> ((row % 8) * 4)) & 0xF) + ZERO_OFFSET
+    return -((1024.0 if FP16 else 128.0) + zero.to(tl.float32))
+
+
+@triton.jit
+def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, group_size,
+                  UNROLL: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):  # fmt: skip
+    """A step's weights: both rows' words, their -(OFFSET + zero) and scales."""
+    group = (step * UNROLL + block) * 128 // group_size
+    return (
+        tl.load(words_lo + step * 16 * UNROLL), tl.load(words_hi + step * 16 * UNROLL),
+        _offset(qzeros_ptr, group, row_lo, N, ZERO_OFFSET, FP16), _offset(qzeros_ptr, group, row_hi, N, ZERO_OFFSET, FP16),
+        tl.load(scales_ptr + group * N + row_lo).to(tl.float32), tl.load(scales_ptr + group * N + row_hi).to(tl.float32),
+    )  # fmt: skip
+
+
+@triton.jit
+def _load_x(step, x_pairs, UNROLL: tl.constexpr):
+    """A step's x: pairs 16p + 4t + c of each block, p = 0..3 ([T, 4] each)."""
+    xk = x_pairs + step * 64 * UNROLL
+    return tl.load(xk), tl.load(xk + 16), tl.load(xk + 32), tl.load(xk + 48)
+
+
+@triton.jit
+def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
+    """Weight row of a program's output j (outputs pid * HALF + j; with SILU_MUL gate rows for
+    j < HALF, up rows N + .. above). -> (row, valid); rows past N read row 0, unstored."""
+    n = pid * HALF + j % HALF
+    row = tl.where(n < N, n, 0)
+    if SILU_MUL:
+        row += (j // HALF) * N
+    return row, n < N
+
+
+@triton.jit
+def _mma_gemv_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, ws_ptr, lock_ptr, y_ptr,
+    N, K, stride_qn, group_size, split_k,
+    ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
+    PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
+):  # fmt: skip
+    """Program (0, N block, split): 16 * TILES * WARPS weight rows. Element i of the [T]
+    tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
+    16-row tile); the [T, 4] loads hold the lane's 4 words (16 bytes) of a row in their
+    columns. SILU_MUL: the weight is [gate | up] (N = 2I rows); the program's first half of
+    tiles reads gate rows n, the second up rows I + n, and it stores silu(gate) * up [1, I]."""
+    T: tl.constexpr = UNROLL * TILES * WARPS * 32
+    BLOCK_N: tl.constexpr = 16 * TILES * WARPS
+    HALF: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
+    N_OUT = N // 2 if SILU_MUL else N
+    pid = tl.program_id(1)
+    i = tl.arange(0, T)
+    lane = i % 32
+    block = i // (32 * TILES * WARPS)  # block of the step
+    g = lane // 4
+    t = lane % 4
+    j = (i // 32) % (TILES * WARPS) * 16 + g  # this lane's outputs: j (A's row g) and j + 8
+    row_lo, _ = _weight_row(pid, j, N_OUT, HALF, SILU_MUL)
+    row_hi, _ = _weight_row(pid, j + 8, N_OUT, HALF, SILU_MUL)
+    k_words = (block * 16 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
+    words_lo = qweight_ptr + row_lo[:, None] * stride_qn + k_words
+    words_hi = qweight_ptr + row_hi[:, None] * stride_qn + k_words
+    x_pairs = x_ptr.to(tl.pointer_type(tl.uint32)) + (block * 64 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
+    num_steps = K // (128 * UNROLL)
+    per_split = tl.cdiv(num_steps, split_k)
+    first = tl.program_id(2) * per_split
+    last = tl.minimum(first + per_split, num_steps)
+    acc_lo = tl.zeros((T,), dtype=tl.float32)
+    acc_hi = tl.zeros((T,), dtype=tl.float32)
+    # Each step's loads are issued a step ahead into registers (no shared memory: Triton's
+    # cp.async pipeline made this loop 4x slower, a wait and a barrier a step). Under PDL the
+    # first step's weights are read before waiting for x (kernels/pdl.py).
+    lo, hi, off_lo, off_hi, s_lo, s_hi = _load_weights(
+        tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, group_size,
+        UNROLL, ZERO_OFFSET, FP16,
+    )  # fmt: skip
+    if PDL:
+        gdc_wait()
+    xa, xb, xc, xd = _load_x(tl.minimum(first, last - 1), x_pairs, UNROLL)
+    for step in tl.range(first, last, num_stages=1):
+        ahead = tl.minimum(step + 1, last - 1)
+        n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
+            ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, group_size,
+            UNROLL, ZERO_OFFSET, FP16,
+        )  # fmt: skip
+        n_xa, n_xb, n_xc, n_xd = _load_x(ahead, x_pairs, UNROLL)
+        acc_lo, acc_hi = _mma_block(lo, hi, off_lo, off_hi, xa, xb, xc, xd, s_lo, s_hi, acc_lo, acc_hi, ASM, CONSTRAINTS)
+        lo, hi, off_lo, off_hi, s_lo, s_hi = n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi
+        xa, xb, xc, xd = n_xa, n_xb, n_xc, n_xd
+    # acc (block, tile, g, t): outputs tile * 16 + g (lo) and + 8 (hi), the same for every t.
+    first_t = tl.arange(0, 4)[None, None, :] == 0
+    lo_sums = tl.sum(tl.where(first_t, tl.sum(tl.reshape(acc_lo, (UNROLL, TILES * WARPS, 8, 4)), axis=0), 0.0), axis=2)
+    hi_sums = tl.sum(tl.where(first_t, tl.sum(tl.reshape(acc_hi, (UNROLL, TILES * WARPS, 8, 4)), axis=0), 0.0), axis=2)
+    partial = tl.reshape(tl.permute(tl.join(lo_sums, hi_sums), (0, 2, 1)), (BLOCK_N,))  # output tile * 16 + 8h + g
+    rows, valid = _weight_row(pid, tl.arange(0, BLOCK_N), N_OUT, HALF, SILU_MUL)
+    out_rows = tl.where(valid, rows, N)
+    total, is_last = sum_splits(partial[:, None], tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
+    store_outputs(tl.reshape(total, (BLOCK_N,)), y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
+
+
+def pick_mma_gemv_config(
+    n: int, k: int, num_sms: int, tiles: int = 1, unroll: int = 2, num_warps: int = 4, programs_per_sm: int = 4
+) -> MmaGemvConfig:  # fmt: skip
+    """Split K until about `programs_per_sm` programs per SM, in at least two ranges. The
+    defaults are the best single config of benchmarks/bench_int4_mma_gemv.py's sweep on the
+    H200 over llama-3.1-8b's four shapes (docs/benchmarks.md)."""
+    num_blocks = k // ROW_BLOCK
+    while num_blocks % unroll:
+        unroll //= 2
+    num_programs = triton.cdiv(n, 16 * tiles * num_warps)
+    num_steps = num_blocks // unroll
+    split_k = max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
+    return MmaGemvConfig(tiles, unroll, split_k, num_warps)
+
+
+def supported(x: torch.Tensor, group_size: int) -> bool:
+    """Whether the MMA GEMV takes this x (one row of bf16 or fp16 on a GPU) and group."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and group_size % 128 == 0
+
+
+def gemv_pairs_mma(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int,
+    config: MmaGemvConfig,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """x [1, K] (bf16 or fp16) @ a pairs-layout INT4 weight (qweight [N, K/8]) -> [1, N] in x's
+    dtype; group_size: inputs per group, a multiple of 128 (K for one group). silu_mul: the
+    weight is [gate | up] and the result silu(gate) * up, [1, N / 2], rounded as
+    `silu_and_mul` of the plain result."""
+    x = x.contiguous()
+    n, num_words = qweight.shape
+    k = num_words * 8
+    assert supported(x, group_size) and x.shape == (1, k), (x.shape, x.dtype, qweight.shape, group_size)
+    assert k % (ROW_BLOCK * config.unroll) == 0 and qweight.numel() < 2**31, (qweight.shape, config)
+    assert not silu_mul or n % 2 == 0, f"{n} rows are not [gate | up]"
+    n_out = n // 2 if silu_mul else n
+    y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    num_blocks_n = triton.cdiv(n_out, config.block_n // 2 if silu_mul else config.block_n)
+    workspace = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device)
+    use_pdl = pdl.enabled(x)
+    fp16 = x.dtype == torch.float16
+    _mma_gemv_kernel[(1, num_blocks_n, config.split_k)](
+        x, qweight, qzeros, scales, workspace, semaphores("int4_mma_gemv", x.device, num_blocks_n), y,
+        n, k, qweight.stride(0), group_size, config.split_k,
+        ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll, WARPS=config.num_warps, PDL=use_pdl,
+        FP16=fp16, SILU_MUL=silu_mul, ASM=_ASM[fp16], CONSTRAINTS=_CONSTRAINTS, num_warps=config.num_warps,
+        launch_pdl=use_pdl,
+    )  # fmt: skip
+    return y

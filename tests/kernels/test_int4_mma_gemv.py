@@ -1,0 +1,208 @@
+"""The one-row INT4 GEMV on warp-level MMAs (kernels/triton_int4_mma_gemv.py).
+
+Its PTX mixes lanes (an MMA), so it is right only where Triton places element i of its
+operands in lane i % 32: without a GPU, the kernel is compiled for sm_90 (Triton's wheel
+carries ptxas) and its operands' layout, the MMAs per step and a loop without shared
+memory or barriers are checked. With a GPU: its values against the GPTQ reference over
+dtypes, groups, zero offsets, configs and ragged N, SiLU-and-mul against the two launches,
+and the decode dispatch taking it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import int4_reference, triton_int4_mma
+from kernels.int4_rows import gptq_to_pairs
+from kernels.triton_int4_mma_gemv import (
+    MmaGemvConfig,
+    gemv_pairs_mma,
+    pick_mma_gemv_config,
+    supported,
+)
+from kernels.triton_int4_rows import gemv_rows, pick_rows_config
+from tests.kernels.test_int4_gemv import gptq_tensors, randn
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+_COMPILE = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from benchmarks.kernel_sass import main_loop
+from kernels import triton_int4_mma_gemv as m
+tiles, unroll, warps, fp16, silu = (int(a) for a in sys.argv[1:6])
+dtype = "*fp16" if fp16 else "*bf16"
+signature = {
+    "x_ptr": dtype, "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": dtype, "ws_ptr": "*fp32",
+    "lock_ptr": "*i32", "y_ptr": dtype, "N": "i32", "K": "i32", "stride_qn": "i32", "group_size": "i32", "split_k": "i32",
+}
+constexprs = dict(
+    ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
+    ASM=m._ASM[bool(fp16)], CONSTRAINTS=m._CONSTRAINTS,
+)
+names = list(signature) + list(constexprs)
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a != "split_k"}
+src = triton.compiler.ASTSource(
+    fn=m._mma_gemv_kernel, signature=signature | {n: "constexpr" for n in constexprs}, constexprs=constexprs, attrs=attrs
+)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+ttgir = kernel.asm["ttgir"]
+layouts = dict(re.findall(r"^(#\\w+) = (.*)$", ttgir, re.M))
+asm = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line and "mma.sync" in line]
+used = sorted({layouts[name] for line in asm for name in re.findall(r"tensor<\\d+x\\w+, (#\\w+)>", line)})
+path = "/tmp/mma_gemv_%d.cubin" % id(kernel)
+open(path, "wb").write(kernel.asm["cubin"])
+import subprocess, os
+code = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"),
+                       "--dump-sass", path], capture_output=True, text=True, check=True).stdout
+os.remove(path)
+print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code)}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("tiles", "unroll", "warps", "fp16", "silu"),
+    [(1, 2, 4, 0, 0), (2, 1, 2, 1, 0), (1, 1, 8, 0, 1)],
+    ids=["default", "two-tiles-fp16", "eight-warps-silu"],
+)
+def test_sm90_operands_sit_in_their_lanes(tiles: int, unroll: int, warps: int, fp16: int, silu: int) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu))],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["asm_ops"] == 1
+    # Every operand of the PTX: element i in lane i % 32 of warp (i // 32) % warps.
+    assert result["layouts"] == [
+        f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], order = [0]}}>"
+    ]
+    loop = result["loop"]
+    kind = "HMMA.16816.F32" if fp16 else "HMMA.16816.F32.BF16"
+    assert loop[kind] == 16 * tiles * unroll  # per 16-row tile and block: 8 weight MMAs, 8 sums of x
+    assert not any(op.startswith(("BAR", "LDS", "STS", "LDGSTS")) for op in loop), loop
+
+
+def test_supported_is_one_16_bit_row_on_a_gpu_with_groups_of_128() -> None:
+    cpu = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert not supported(cpu, 128)  # the CPU takes the reference
+    if torch.cuda.is_available():
+        x = cpu.cuda()
+        assert supported(x, 128) and supported(x, 256) and supported(x.half(), 128)
+        assert not supported(x, 64) and not supported(x.float(), 128) and not supported(x.expand(2, 256), 128)
+
+
+def test_pick_splits_k_to_fill_the_gpu() -> None:
+    small = pick_mma_gemv_config(4096, 4096, 132)
+    assert (small.tiles, small.unroll, small.num_warps, small.block_n) == (1, 2, 4, 64)
+    assert small.split_k == 8  # 64 programs over 132 SMs, 4 a SM: 528 / 64
+    assert pick_mma_gemv_config(28672, 4096, 132).split_k == 2  # at least two ranges
+    assert pick_mma_gemv_config(4096, 128, 132).split_k == 1  # one block: nothing to split
+    assert pick_mma_gemv_config(4096, 384, 132).unroll == 1  # 3 blocks: 2 does not divide them
+
+
+# --- On a GPU
+
+
+def reference(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int, zero_offset: int) -> torch.Tensor:
+    return int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, group_size, "gptq", zero_offset)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected).norm() / expected.norm())
+
+
+# Products and sums are fp32 in the MMA: the error is the output's rounding (bf16 2^-9, fp16
+# 2^-12 relative, about half that as a norm) and the fp32 sums' order.
+BOUNDS = {torch.bfloat16: 3e-3, torch.float16: 4e-4}
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("group_size", "zero_offset"), [(128, 1), (256, 0), (-1, 1)], ids=["g128", "g256-awq", "one"])
+@pytest.mark.parametrize(
+    "config",
+    [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 2, 1, 4), MmaGemvConfig(1, 4, 2, 8)],
+    ids=["default", "split3", "two-tiles", "eight-warps"],
+)
+def test_cuda_against_the_reference(
+    dtype: torch.dtype, group_size: int, zero_offset: int, config: MmaGemvConfig | None
+) -> None:  # fmt: skip
+    k, n = 1024, 336  # 336 rows: a ragged last program for every config
+    t = gptq_tensors(k, n, group_size, zero_offset)
+    t["scales"] = t["scales"].to(dtype)
+    x = randn(1, k, dtype=dtype, seed=3)
+    group = k if group_size == -1 else group_size
+    config = config or pick_mma_gemv_config(n, k, 132)
+    y = gemv_pairs_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], group, zero_offset, config)
+    assert y.shape == (1, n) and y.dtype == dtype
+    assert relative_error(y, reference(x, t, group_size, zero_offset)) < BOUNDS[dtype]
+
+
+@cuda_only
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 4096), (14336, 4096)], ids=["qkv", "o", "down"])
+def test_cuda_llama_8b_shapes_halve_the_x2_error(k: int, n: int) -> None:
+    t = gptq_tensors(k, n, 128, 1)
+    t["scales"] = t["scales"].bfloat16()
+    x = randn(1, k, dtype=torch.bfloat16, seed=5)
+    pairs = gptq_to_pairs(t["qweight"])
+    y = gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, pick_mma_gemv_config(n, k, 132))
+    x2 = gemv_rows(x, pairs, t["qzeros"], t["scales"], None, 128, 1, pick_rows_config(n, k, 132, packed=True), True)
+    expected = reference(x, t, 128, 1)
+    # Only the output rounds here; the x2 GEMV rounds products and four-term sums to bf16 too.
+    assert relative_error(y, expected) < min(BOUNDS[torch.bfloat16], 0.75 * relative_error(x2, expected))
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [None, MmaGemvConfig(1, 1, 5, 8)], ids=["default", "eight-warps-split5"])
+def test_cuda_silu_mul_equals_the_two_launches(config: MmaGemvConfig | None) -> None:
+    k, n = 2048, 2 * 1040  # 1040 outputs: not a whole number of programs
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(1, k, dtype=torch.bfloat16, seed=7)
+    config = config or pick_mma_gemv_config(n, k, 132)
+    args = (x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], 128, 1, config)
+    fused = gemv_pairs_mma(*args, silu_mul=True)
+    assert fused.shape == (1, n // 2)
+    torch.testing.assert_close(fused, kernels.silu_and_mul(gemv_pairs_mma(*args)), atol=0, rtol=0)
+
+
+@cuda_only
+def test_cuda_decode_dispatch_takes_it_and_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    k, n = 1024, 512
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(1, k, dtype=torch.bfloat16, seed=8)
+    args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count))
+    assert torch.equal(kernels.int4_gemm(x, *args), direct)
+    monkeypatch.setattr(triton_int4_mma, "MMA_GEMV", False)
+    x2 = kernels.int4_gemm(x, *args)  # the x2 CUDA-core GEMV: another rounding, the same product
+    assert not torch.equal(x2, direct)
+    assert relative_error(x2, reference(x, t, 128, 1)) < 5e-3
+
+
+@cuda_only
+def test_cuda_graph_replays_it() -> None:
+    k, n = 2048, 1024
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(1, k, dtype=torch.bfloat16, seed=9)
+    args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], 128, 1, pick_mma_gemv_config(n, k, 132))
+    gemv_pairs_mma(x, *args)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv_pairs_mma(x, *args)
+    for seed in (10, 11):
+        x.copy_(randn(1, k, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.testing.assert_close(y, gemv_pairs_mma(x, *args), atol=0, rtol=0)
