@@ -289,8 +289,8 @@ def int4_gemm_pairs(
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
     if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
         if MMA_GEMV and mma_gemv.supported(x, group):
-            config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
-            return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, config, silu_mul)
+            mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
+            return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul)
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

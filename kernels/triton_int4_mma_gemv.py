@@ -70,7 +70,7 @@ def _block_asm(fp16: bool) -> str:
     lines = [f"{{ .reg .b32 t, a<32>, one; .reg .f32 d<4>, e<4>, z; mov.f32 z, 0f00000000; mov.b32 one, {one};"]
     for p in range(4):
         for half in range(2):  # words 2 half and 2 half + 1 of each row
-            regs = []
+            regs: list[str] = []
             for word in (f"${2 + 2 * half}", f"${6 + 2 * half}", f"${3 + 2 * half}", f"${7 + 2 * half}"):
                 reg = f"a{len(regs) + 4 * (2 * p + half) }"
                 if p:
