@@ -17,18 +17,21 @@ import json
 import torch
 
 from benchmarks.bench_gemv import copy_bandwidth
-from benchmarks.bench_int4_gemv import GROUP, SHAPES, packed_set, timed
+from benchmarks.bench_int4_gemv import GROUP, packed_set, timed
+from benchmarks.bench_int4_gemv import SHAPES as BENCH_SHAPES
 from kernels import int4_reference, silu_and_mul
 from kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
 from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
-# (16-row tiles per warp, blocks of 128 inputs per step, warps, programs per SM)
+# (16-row tiles per warp, blocks of 128 inputs per step, warps, programs per SM, x a step ahead)
 SWEEP = [
-    (tiles, unroll, warps, pps)
-    for (tiles, warps), unroll, pps in itertools.product(
-        ((1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 2)), (1, 2, 4), (2, 4, 8)
+    (tiles, unroll, warps, pps, x_ahead)
+    for (tiles, warps), unroll, pps, x_ahead in itertools.product(
+        ((1, 4), (2, 4), (1, 2), (1, 8)), (1, 2, 4), (4, 8), (True, False)
     )
 ]
+# llama-3.1-8b's lm_head, for checkpoints that quantize it (K, N)
+SHAPES = BENCH_SHAPES | {"lm_head": (4096, 128256)}
 
 
 def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
@@ -60,10 +63,11 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
         ):
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     sweep = []
-    for tiles, unroll, warps, pps in [] if quick else SWEEP:
-        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps)
+    for tiles, unroll, warps, pps, x_ahead in [] if quick else SWEEP:
+        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps, x_ahead)
         calls = [functools.partial(gemv_pairs_mma, x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, cfg) for s in sets]
-        sweep.append((round(timed(calls), 2), f"tiles={tiles} u={unroll} w={warps} pps={pps} split={cfg.split_k}"))
+        label = f"tiles={tiles} u={unroll} w={warps} pps={pps} split={cfg.split_k} x_ahead={int(x_ahead)}"
+        sweep.append((round(timed(calls), 2), label))
     if sweep:
         sweep.sort()
         row["mma_best"] = sweep[:6]
@@ -73,7 +77,7 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(BENCH_SHAPES), help="also: lm_head")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
