@@ -4,7 +4,7 @@ run, on llama-3.1-8b's shapes (many calls in one CUDA graph over weights larger 
 each at its default config with its relative error against the fp32 reference, gate_up also
 with SiLU-and-mul fused (as decode runs it), and a sweep of the MMA GEMV's configs.
 
-    PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down]
+    PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head]
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from kernels import int4_reference, silu_and_mul
 from kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
 from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
-# (16-row tiles per warp, blocks of 128 inputs per step, warps, programs per SM, x a step ahead)
+# (16-row tiles per warp, blocks of 128 inputs per step, warps, programs per SM)
 SWEEP = [
-    (tiles, unroll, warps, pps, x_ahead)
-    for (tiles, warps), unroll, pps, x_ahead in itertools.product(
-        ((1, 4), (2, 4), (1, 2), (1, 8)), (1, 2, 4), (4, 8), (True, False)
+    (tiles, unroll, warps, pps)
+    for (tiles, warps), unroll, pps in itertools.product(
+        ((1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 2)), (1, 2, 4), (2, 4, 8)
     )
 ]
 # llama-3.1-8b's lm_head, for checkpoints that quantize it (K, N)
@@ -63,11 +63,10 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
         ):
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     sweep = []
-    for tiles, unroll, warps, pps, x_ahead in [] if quick else SWEEP:
-        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps, x_ahead)
+    for tiles, unroll, warps, pps in [] if quick else SWEEP:
+        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps)
         calls = [functools.partial(gemv_pairs_mma, x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, cfg) for s in sets]
-        label = f"tiles={tiles} u={unroll} w={warps} pps={pps} split={cfg.split_k} x_ahead={int(x_ahead)}"
-        sweep.append((round(timed(calls), 2), label))
+        sweep.append((round(timed(calls), 2), f"tiles={tiles} u={unroll} w={warps} pps={pps} split={cfg.split_k}"))
     if sweep:
         sweep.sort()
         row["mma_best"] = sweep[:6]

@@ -52,7 +52,6 @@ class MmaGemvConfig:
     unroll: int  # blocks of 128 inputs per loop step; divides K / 128
     split_k: int
     num_warps: int = 4
-    x_ahead: bool = True  # x's registers loaded a step ahead with the weights (else when used)
 
     @property
     def block_n(self) -> int:
@@ -168,7 +167,6 @@ def _mma_gemv_kernel(
     N, K, stride_qn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
-    X_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -214,11 +212,7 @@ def _mma_gemv_kernel(
             ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, group_size,
             UNROLL, ZERO_OFFSET, FP16,
         )  # fmt: skip
-        if X_AHEAD:
-            n_xa, n_xb, n_xc, n_xd = _load_x(ahead, x_pairs, UNROLL)
-        else:  # x (L1-resident after the first program) read when used: fewer registers
-            xa, xb, xc, xd = _load_x(step, x_pairs, UNROLL)
-            n_xa, n_xb, n_xc, n_xd = xa, xb, xc, xd
+        n_xa, n_xb, n_xc, n_xd = _load_x(ahead, x_pairs, UNROLL)
         acc_lo, acc_hi = _mma_block(lo, hi, off_lo, off_hi, xa, xb, xc, xd, s_lo, s_hi, acc_lo, acc_hi, ASM, CONSTRAINTS)
         lo, hi, off_lo, off_hi, s_lo, s_hi = n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi
         xa, xb, xc, xd = n_xa, n_xb, n_xc, n_xd
@@ -234,8 +228,7 @@ def _mma_gemv_kernel(
 
 
 def pick_mma_gemv_config(
-    n: int, k: int, num_sms: int, tiles: int = 1, unroll: int = 2, num_warps: int = 4, programs_per_sm: int = 4,
-    x_ahead: bool = True,
+    n: int, k: int, num_sms: int, tiles: int = 1, unroll: int = 2, num_warps: int = 4, programs_per_sm: int = 4
 ) -> MmaGemvConfig:  # fmt: skip
     """Split K until about `programs_per_sm` programs per SM, in at least two ranges. The
     defaults are the best single config of benchmarks/bench_int4_mma_gemv.py's sweep on the
@@ -246,7 +239,7 @@ def pick_mma_gemv_config(
     num_programs = triton.cdiv(n, 16 * tiles * num_warps)
     num_steps = num_blocks // unroll
     split_k = max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
-    return MmaGemvConfig(tiles, unroll, split_k, num_warps, x_ahead)
+    return MmaGemvConfig(tiles, unroll, split_k, num_warps)
 
 
 def supported(x: torch.Tensor, group_size: int) -> bool:
@@ -284,8 +277,7 @@ def gemv_pairs_mma(
         x, qweight, qzeros, scales, workspace, semaphores("int4_mma_gemv", x.device, num_blocks_n), y,
         n, k, qweight.stride(0), group_size, config.split_k,
         ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll, WARPS=config.num_warps, PDL=use_pdl,
-        FP16=fp16, SILU_MUL=silu_mul, ASM=_ASM[fp16], CONSTRAINTS=_CONSTRAINTS, X_AHEAD=config.x_ahead,
-        num_warps=config.num_warps,
+        FP16=fp16, SILU_MUL=silu_mul, ASM=_ASM[fp16], CONSTRAINTS=_CONSTRAINTS, num_warps=config.num_warps,
         launch_pdl=use_pdl,
     )  # fmt: skip
     return y
