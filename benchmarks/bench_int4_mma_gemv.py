@@ -2,9 +2,11 @@
 arithmetic CUDA-core GEMV on the same pairs layout (kernels/triton_int4_rows.py) in the same
 run, on llama-3.1-8b's shapes (many calls in one CUDA graph over weights larger than the L2),
 each at its default config with its relative error against the fp32 reference, gate_up also
-with SiLU-and-mul fused (as decode runs it), and a sweep of the MMA GEMV's configs.
+with SiLU-and-mul fused (as decode runs it); then 2, 4 and 8 rows of x (batched decode)
+against the tl.dot tensor-core kernel (kernels/triton_int4_mma.py), and a sweep of the MMA
+GEMV's configs at one row.
 
-    PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head]
+    PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head] [--rows 2,4,8]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from benchmarks.bench_gemv import copy_bandwidth
 from benchmarks.bench_int4_gemv import GROUP, packed_set, timed
 from benchmarks.bench_int4_gemv import SHAPES as BENCH_SHAPES
 from kernels import int4_reference, silu_and_mul
+from kernels.triton_int4_mma import int4_mma, pick_mma_config
 from kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
 from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
@@ -34,7 +37,7 @@ SWEEP = [
 SHAPES = BENCH_SHAPES | {"lm_head": (4096, 128256)}
 
 
-def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
+def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tuple[int, ...]) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -62,6 +65,16 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
             ("mma_silu", lambda s: gemv_pairs_mma(x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma, True)),
         ):
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
+    for m in rows:  # batched decode: x's rows in the MMA's columns, against the tl.dot kernel
+        xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        refm = int4_reference.int4_gemm(xm.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
+        dot = pick_mma_config(m, n, k, num_sms)
+        for label, fn in (
+            (f"dot_m{m}", lambda s: int4_mma(xm, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, dot)),
+            (f"mma_m{m}", lambda s: gemv_pairs_mma(xm, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma)),
+        ):
+            row[f"{label}_rel_err"] = round(float((fn(t).float() - refm).norm() / refm.norm()), 5)
+            row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     sweep = []
     for tiles, unroll, warps, pps in [] if quick else SWEEP:
         cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps)
@@ -76,13 +89,14 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
+    parser.add_argument("--rows", default="2,4,8", help="rows of x (batched decode) against the tl.dot kernel; '' for none")
     parser.add_argument("--shapes", default=",".join(BENCH_SHAPES), help="also: lm_head")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        shape_row(name, k, n, bandwidth, args.quick)
+        shape_row(name, k, n, bandwidth, args.quick, tuple(int(r) for r in args.rows.split(",") if r))
         torch.cuda.empty_cache()
 
 

@@ -55,9 +55,11 @@ DEQUANT_MIN_ROWS = 128
 ONE_ROW_ON_TENSOR_CORES = False
 # At one row, SiLU-and-mul of a [gate | up] product in the GEMV's last program (one launch).
 SILU_MUL_GEMV = True
-# At one row, the warp-level MMA GEMV (kernels/triton_int4_mma_gemv.py: bf16 or fp16 x, groups
-# of 128 inputs or more) instead of the x2 arithmetic CUDA-core GEMV (docs/benchmarks.md).
-MMA_GEMV = True
+# Rows of x up to which the warp-level MMA GEMV (kernels/triton_int4_mma_gemv.py: bf16 or fp16
+# x, groups of 128 inputs or more, at most 8 rows) takes the product: at one row instead of the
+# x2 arithmetic CUDA-core GEMV, above it instead of this file's tl.dot kernel
+# (docs/benchmarks.md). 0: neither.
+MMA_GEMV_MAX_ROWS = 8
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -287,10 +289,10 @@ def int4_gemm_pairs(
         return silu_and_mul(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms))
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
+    if m <= MMA_GEMV_MAX_ROWS and not ONE_ROW_ON_TENSOR_CORES and mma_gemv.supported(x, group):
+        mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
+        return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul)
     if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
-        if MMA_GEMV and mma_gemv.supported(x, group):
-            mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
-            return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul)
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

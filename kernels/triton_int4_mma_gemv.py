@@ -58,38 +58,47 @@ class MmaGemvConfig:
         return 16 * self.tiles * self.num_warps
 
 
-def _block_asm(fp16: bool) -> str:
-    """PTX for one lane of a 16-row tile over a block of 128 inputs. Operands: $0, $1 the new
-    accumulators of rows g and g + 8; inputs $2-$5 row g's 4 words, $6-$9 row g + 8's,
-    $10, $11 -(OFFSET + zero) of each row (fp32), $12 + 4p + c x's pair 16p + 4t + c,
-    $28, $29 the scales of rows g and g + 8, $30, $31 their accumulators."""
+def _block_asm(fp16: bool, multi: bool) -> str:
+    """PTX for one lane of a 16-row tile over a block of 128 inputs. Operands: the new
+    accumulators (O of them: rows g and g + 8 of x's row 0; multi: rows g, g for x rows 2t
+    and 2t + 1, then g + 8 for both), then inputs from $O: 4 words of row g, 4 of row g + 8,
+    -(OFFSET + zero) of each row (fp32), x's pairs 16p + 4t + c (p, c = 0..3), the scales
+    of rows g and g + 8, the O accumulators."""
     magic = "0x64006400" if fp16 else "0x43004300"
     kind = "f16" if fp16 else "bf16"
     one = "0x3C003C00" if fp16 else "0x3F803F80"
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    o = 4 if multi else 2
+    words, offsets, xs, scales, accs = o, o + 8, o + 10, o + 26, o + 28
     lines = [f"{{ .reg .b32 t, a<32>, one; .reg .f32 d<4>, e<4>, z; mov.f32 z, 0f00000000; mov.b32 one, {one};"]
     for p in range(4):
         for half in range(2):  # words 2 half and 2 half + 1 of each row
             regs: list[str] = []
-            for word in (f"${2 + 2 * half}", f"${6 + 2 * half}", f"${3 + 2 * half}", f"${7 + 2 * half}"):
-                reg = f"a{len(regs) + 4 * (2 * p + half) }"
+            for w in (2 * half, 4 + 2 * half, 2 * half + 1, 5 + 2 * half):  # a0 a1 a2 a3: lo, hi, lo, hi
+                reg = f"a{len(regs) + 4 * (2 * p + half)}"
                 if p:
-                    lines.append(f"shr.u32 t, {word}, {4 * p};")
-                lines.append(f"lop3.b32 {reg}, {word if p == 0 else 't'}, 0x000F000F, {magic}, 0xea;")
+                    lines.append(f"shr.u32 t, ${words + w}, {4 * p};")
+                lines.append(f"lop3.b32 {reg}, {f'${words + w}' if p == 0 else 't'}, 0x000F000F, {magic}, 0xea;")
                 regs.append(reg)
-            b = f"{{${12 + 4 * p + 2 * half}, ${13 + 4 * p + 2 * half}}}"
+            b = f"{{${xs + 4 * p + 2 * half}, ${xs + 4 * p + 2 * half + 1}}}"
             first = p == 0 and half == 0
             lines.append(f"{mma} {{d0, d1, d2, d3}}, {{{', '.join(regs)}}}, {b}, {'{z, z, z, z}' if first else '{d0, d1, d2, d3}'};")
             lines.append(f"{mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {'{z, z, z, z}' if first else '{e0, e1, e2, e3}'};")
-    lines.append(
-        "fma.rn.f32 d0, $10, e0, d0; fma.rn.f32 $0, d0, $28, $30;"
-        " fma.rn.f32 d2, $11, e0, d2; fma.rn.f32 $1, d2, $29, $31; }"
-    )
+    # d_r - (OFFSET + zero_row) * X_col, times the row's scale, into the accumulator
+    outs = [("d0", "e0", 0), ("d1", "e1", 0), ("d2", "e0", 1), ("d3", "e1", 1)] if multi else [("d0", "e0", 0), ("d2", "e0", 1)]
+    for n, (d, e, hi) in enumerate(outs):
+        lines.append(f"fma.rn.f32 {d}, ${offsets + hi}, {e}, {d}; fma.rn.f32 ${n}, {d}, ${scales + hi}, ${accs + n};")
+    lines.append("}")
     return " ".join(lines)
 
 
-_ASM = {False: _block_asm(False), True: _block_asm(True)}
-_CONSTRAINTS = "=f,=f," + ",".join(["r"] * 8 + ["f"] * 2 + ["r"] * 16 + ["f"] * 4)
+_ASM = {(fp16, multi): _block_asm(fp16, multi) for fp16 in (False, True) for multi in (False, True)}
+_CONSTRAINTS = {
+    multi: ",".join(["=f"] * (4 if multi else 2) + ["r"] * 8 + ["f"] * 2 + ["r"] * 16 + ["f"] * (6 if multi else 4))
+    for multi in (False, True)
+}
+# Rows of x the GEMV takes: x's rows are the MMA's 8 columns.
+MAX_ROWS = 8
 
 
 @triton.jit
@@ -103,24 +112,33 @@ def _split4(v):
 
 @triton.jit
 def _mma_block(
-    words_lo, words_hi, offset_lo, offset_hi, xa, xb, xc, xd, scale_lo, scale_hi, acc_lo, acc_hi,
-    ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
+    words_lo, words_hi, offset_lo, offset_hi, xa, xb, xc, xd, scale_lo, scale_hi, acc0, acc1, acc2, acc3,
+    ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, MULTI: tl.constexpr,
 ):  # fmt: skip
-    """One block of 128 inputs into the accumulators of rows g and g + 8 ([T] each). words:
-    [T, 4] int32; xa..xd [T, 4]: x's pairs 4t + c, 16 + 4t + c, 32 + .., 48 + .. of the block
-    (b0 and b1 of MMA m = 0, b0 and b1 of m = 1)."""
+    """One block of 128 inputs into the accumulators ([T] each; rows g, g + 8, and with MULTI
+    (x's rows 2t, 2t + 1) x (rows g, g + 8)). words: [T, 4] int32; xa..xd [T, 4]: x's
+    pairs 16p + 4t + c of the block, p = 0..3."""
     lo0, lo1, lo2, lo3 = _split4(words_lo)
     hi0, hi1, hi2, hi3 = _split4(words_hi)
     a0, a1, a2, a3 = _split4(xa)
     b0, b1, b2, b3 = _split4(xb)
-    e0, e1, e2, e3 = _split4(xc)
-    f0, f1, f2, f3 = _split4(xd)
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS,
-        [lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, offset_lo, offset_hi, a0, a1, a2, a3, b0, b1, b2, b3,
-         e0, e1, e2, e3, f0, f1, f2, f3, scale_lo, scale_hi, acc_lo, acc_hi],
-        dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
-    )  # fmt: skip
+    c0, c1, c2, c3 = _split4(xc)
+    d0, d1, d2, d3 = _split4(xd)
+    if MULTI:
+        acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
+            ASM, CONSTRAINTS,
+            [lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, offset_lo, offset_hi, a0, a1, a2, a3, b0, b1, b2, b3,
+             c0, c1, c2, c3, d0, d1, d2, d3, scale_lo, scale_hi, acc0, acc1, acc2, acc3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        acc0, acc1 = tl.inline_asm_elementwise(
+            ASM, CONSTRAINTS,
+            [lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, offset_lo, offset_hi, a0, a1, a2, a3, b0, b1, b2, b3,
+             c0, c1, c2, c3, d0, d1, d2, d3, scale_lo, scale_hi, acc0, acc1],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+        )  # fmt: skip
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -164,15 +182,18 @@ def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
 @triton.jit
 def _mma_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, ws_ptr, lock_ptr, y_ptr,
-    N, K, stride_qn, group_size, split_k,
+    M, N, K, stride_xm, stride_ym, stride_qn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
-    PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
+    PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
+    CONSTRAINTS: tl.constexpr,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
     16-row tile); the [T, 4] loads hold the lane's 4 words (16 bytes) of a row in their
     columns. SILU_MUL: the weight is [gate | up] (N = 2I rows); the program's first half of
-    tiles reads gate rows n, the second up rows I + n, and it stores silu(gate) * up [1, I]."""
+    tiles reads gate rows n, the second up rows I + n, and it stores silu(gate) * up [1, I].
+    MULTI: x has M rows (up to 8), row n in the MMA's column n: lane (g, t) reads row g's
+    pairs and sums rows 2t and 2t + 1 (one row: every lane reads row 0 and keeps column 0)."""
     T: tl.constexpr = UNROLL * TILES * WARPS * 32
     BLOCK_N: tl.constexpr = 16 * TILES * WARPS
     HALF: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
@@ -190,12 +211,16 @@ def _mma_gemv_kernel(
     words_lo = qweight_ptr + row_lo[:, None] * stride_qn + k_words
     words_hi = qweight_ptr + row_hi[:, None] * stride_qn + k_words
     x_pairs = x_ptr.to(tl.pointer_type(tl.uint32)) + (block * 64 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
+    if MULTI:  # B's column g is x's row g (rows past M repeat the last; their sums are not stored)
+        x_pairs += (tl.minimum(g, M - 1) * (stride_xm // 2))[:, None]
     num_steps = K // (128 * UNROLL)
     per_split = tl.cdiv(num_steps, split_k)
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, num_steps)
-    acc_lo = tl.zeros((T,), dtype=tl.float32)
-    acc_hi = tl.zeros((T,), dtype=tl.float32)
+    acc0 = tl.zeros((T,), dtype=tl.float32)
+    acc1 = tl.zeros((T,), dtype=tl.float32)
+    acc2 = tl.zeros((T,), dtype=tl.float32)  # MULTI only (rows g + 8 for x's rows 2t, 2t + 1)
+    acc3 = tl.zeros((T,), dtype=tl.float32)
     # Each step's loads are issued a step ahead into registers (no shared memory: Triton's
     # cp.async pipeline made this loop 4x slower, a wait and a barrier a step). Under PDL the
     # first step's weights are read before waiting for x (kernels/pdl.py).
@@ -213,18 +238,38 @@ def _mma_gemv_kernel(
             UNROLL, ZERO_OFFSET, FP16,
         )  # fmt: skip
         n_xa, n_xb, n_xc, n_xd = _load_x(ahead, x_pairs, UNROLL)
-        acc_lo, acc_hi = _mma_block(lo, hi, off_lo, off_hi, xa, xb, xc, xd, s_lo, s_hi, acc_lo, acc_hi, ASM, CONSTRAINTS)
+        acc0, acc1, acc2, acc3 = _mma_block(
+            lo, hi, off_lo, off_hi, xa, xb, xc, xd, s_lo, s_hi, acc0, acc1, acc2, acc3, ASM, CONSTRAINTS, MULTI
+        )
         lo, hi, off_lo, off_hi, s_lo, s_hi = n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi
         xa, xb, xc, xd = n_xa, n_xb, n_xc, n_xd
-    # acc (block, tile, g, t): outputs tile * 16 + g (lo) and + 8 (hi), the same for every t.
-    first_t = tl.arange(0, 4)[None, None, :] == 0
-    lo_sums = tl.sum(tl.where(first_t, tl.sum(tl.reshape(acc_lo, (UNROLL, TILES * WARPS, 8, 4)), axis=0), 0.0), axis=2)
-    hi_sums = tl.sum(tl.where(first_t, tl.sum(tl.reshape(acc_hi, (UNROLL, TILES * WARPS, 8, 4)), axis=0), 0.0), axis=2)
-    partial = tl.reshape(tl.permute(tl.join(lo_sums, hi_sums), (0, 2, 1)), (BLOCK_N,))  # output tile * 16 + 8h + g
     rows, valid = _weight_row(pid, tl.arange(0, BLOCK_N), N_OUT, HALF, SILU_MUL)
     out_rows = tl.where(valid, rows, N)
-    total, is_last = sum_splits(partial[:, None], tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
-    store_outputs(tl.reshape(total, (BLOCK_N,)), y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
+    if MULTI:
+        # acc (block, tile, g, t): y[2t + e, tile * 16 + g + 8h] in acc{2h + e}
+        lo = tl.reshape(tl.join(_tile_sums(acc0, UNROLL, TILES * WARPS), _tile_sums(acc1, UNROLL, TILES * WARPS)),
+                        (TILES * WARPS, 8, 8))  # (tile, g, x row)
+        hi = tl.reshape(tl.join(_tile_sums(acc2, UNROLL, TILES * WARPS), _tile_sums(acc3, UNROLL, TILES * WARPS)),
+                        (TILES * WARPS, 8, 8))
+        partial = tl.reshape(tl.permute(tl.join(lo, hi), (0, 3, 1, 2)), (BLOCK_N, 8))  # y^T: output tile * 16 + 8h + g
+        offs_m = tl.arange(0, 8)
+        total, is_last = sum_splits(partial, offs_m, out_rows, M, N, split_k, ws_ptr, lock_ptr)
+        mask = valid[:, None] & (offs_m < M)[None, :] & is_last
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + out_rows[:, None], total.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # acc (block, tile, g, t): outputs tile * 16 + g (acc0) and + 8 (acc1), the same for every t.
+        first_t = tl.arange(0, 4)[None, None, :] == 0
+        lo_sums = tl.sum(tl.where(first_t, _tile_sums(acc0, UNROLL, TILES * WARPS), 0.0), axis=2)
+        hi_sums = tl.sum(tl.where(first_t, _tile_sums(acc1, UNROLL, TILES * WARPS), 0.0), axis=2)
+        partial = tl.reshape(tl.permute(tl.join(lo_sums, hi_sums), (0, 2, 1)), (BLOCK_N,))  # output tile * 16 + 8h + g
+        total, is_last = sum_splits(partial[:, None], tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
+        store_outputs(tl.reshape(total, (BLOCK_N,)), y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
+
+
+@triton.jit
+def _tile_sums(acc, UNROLL: tl.constexpr, TILES: tl.constexpr):
+    """[T] accumulators (block, tile, g, t) -> summed over the step's blocks, [TILES, 8, 4]."""
+    return tl.sum(tl.reshape(acc, (UNROLL, TILES, 8, 4)), axis=0)
 
 
 def pick_mma_gemv_config(
@@ -243,8 +288,11 @@ def pick_mma_gemv_config(
 
 
 def supported(x: torch.Tensor, group_size: int) -> bool:
-    """Whether the MMA GEMV takes this x (one row of bf16 or fp16 on a GPU) and group."""
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and group_size % 128 == 0
+    """Whether the MMA GEMV takes this x (1 to MAX_ROWS rows of bf16 or fp16 on a GPU) and group."""
+    return (
+        x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+        and group_size % 128 == 0
+    )  # fmt: skip
 
 
 def gemv_pairs_mma(
@@ -257,27 +305,28 @@ def gemv_pairs_mma(
     config: MmaGemvConfig,
     silu_mul: bool = False,
 ) -> torch.Tensor:
-    """x [1, K] (bf16 or fp16) @ a pairs-layout INT4 weight (qweight [N, K/8]) -> [1, N] in x's
-    dtype; group_size: inputs per group, a multiple of 128 (K for one group). silu_mul: the
-    weight is [gate | up] and the result silu(gate) * up, [1, N / 2], rounded as
-    `silu_and_mul` of the plain result."""
+    """x [M, K] (M <= MAX_ROWS, bf16 or fp16) @ a pairs-layout INT4 weight (qweight [N, K/8])
+    -> [M, N] in x's dtype; group_size: inputs per group, a multiple of 128 (K for one
+    group). silu_mul (one row): the weight is [gate | up] and the result silu(gate) * up,
+    [1, N / 2], rounded as `silu_and_mul` of the plain result."""
     x = x.contiguous()
+    m = x.shape[0]
     n, num_words = qweight.shape
     k = num_words * 8
-    assert supported(x, group_size) and x.shape == (1, k), (x.shape, x.dtype, qweight.shape, group_size)
+    assert supported(x, group_size) and x.shape[1] == k, (x.shape, x.dtype, qweight.shape, group_size)
     assert k % (ROW_BLOCK * config.unroll) == 0 and qweight.numel() < 2**31, (qweight.shape, config)
-    assert not silu_mul or n % 2 == 0, f"{n} rows are not [gate | up]"
+    assert not silu_mul or (n % 2 == 0 and m == 1), f"{m} x {n}: SiLU-and-mul takes one row of [gate | up]"
     n_out = n // 2 if silu_mul else n
-    y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     num_blocks_n = triton.cdiv(n_out, config.block_n // 2 if silu_mul else config.block_n)
-    workspace = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device)
+    workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     use_pdl = pdl.enabled(x)
-    fp16 = x.dtype == torch.float16
+    fp16, multi = x.dtype == torch.float16, m > 1
     _mma_gemv_kernel[(1, num_blocks_n, config.split_k)](
         x, qweight, qzeros, scales, workspace, semaphores("int4_mma_gemv", x.device, num_blocks_n), y,
-        n, k, qweight.stride(0), group_size, config.split_k,
+        m, n, k, x.stride(0), y.stride(0), qweight.stride(0), group_size, config.split_k,
         ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll, WARPS=config.num_warps, PDL=use_pdl,
-        FP16=fp16, SILU_MUL=silu_mul, ASM=_ASM[fp16], CONSTRAINTS=_CONSTRAINTS, num_warps=config.num_warps,
-        launch_pdl=use_pdl,
+        FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=_ASM[fp16, multi], CONSTRAINTS=_CONSTRAINTS[multi],
+        num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

@@ -39,18 +39,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import main_loop
 from kernels import triton_int4_mma_gemv as m
-tiles, unroll, warps, fp16, silu = (int(a) for a in sys.argv[1:6])
+tiles, unroll, warps, fp16, silu, multi = (int(a) for a in sys.argv[1:7])
 dtype = "*fp16" if fp16 else "*bf16"
 signature = {
     "x_ptr": dtype, "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": dtype, "ws_ptr": "*fp32",
-    "lock_ptr": "*i32", "y_ptr": dtype, "N": "i32", "K": "i32", "stride_qn": "i32", "group_size": "i32", "split_k": "i32",
+    "lock_ptr": "*i32", "y_ptr": dtype, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
+    "stride_qn": "i32", "group_size": "i32", "split_k": "i32",
 }
 constexprs = dict(
     ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
-    ASM=m._ASM[bool(fp16)], CONSTRAINTS=m._CONSTRAINTS,
+    MULTI=bool(multi), ASM=m._ASM[bool(fp16), bool(multi)], CONSTRAINTS=m._CONSTRAINTS[bool(multi)],
 )
 names = list(signature) + list(constexprs)
-attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a != "split_k"}
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M")}
 src = triton.compiler.ASTSource(
     fn=m._mma_gemv_kernel, signature=signature | {n: "constexpr" for n in constexprs}, constexprs=constexprs, attrs=attrs
 )
@@ -70,16 +71,16 @@ print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code)}
 
 
 @pytest.mark.parametrize(
-    ("tiles", "unroll", "warps", "fp16", "silu"),
-    [(1, 2, 4, 0, 0), (2, 1, 2, 1, 0), (1, 1, 8, 0, 1)],
-    ids=["default", "two-tiles-fp16", "eight-warps-silu"],
+    ("tiles", "unroll", "warps", "fp16", "silu", "multi"),
+    [(1, 2, 4, 0, 0, 0), (2, 1, 2, 1, 0, 0), (1, 1, 8, 0, 1, 0), (1, 2, 4, 0, 0, 1)],
+    ids=["default", "two-tiles-fp16", "eight-warps-silu", "rows"],
 )
-def test_sm90_operands_sit_in_their_lanes(tiles: int, unroll: int, warps: int, fp16: int, silu: int) -> None:
+def test_sm90_operands_sit_in_their_lanes(tiles: int, unroll: int, warps: int, fp16: int, silu: int, multi: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root)
     out = subprocess.run(
-        [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu))],
+        [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu, multi))],
         env=env, cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -95,13 +96,14 @@ def test_sm90_operands_sit_in_their_lanes(tiles: int, unroll: int, warps: int, f
     assert not any(op.startswith(("BAR", "LDS", "STS", "LDGSTS")) for op in loop), loop
 
 
-def test_supported_is_one_16_bit_row_on_a_gpu_with_groups_of_128() -> None:
+def test_supported_is_up_to_8_16_bit_rows_on_a_gpu_with_groups_of_128() -> None:
     cpu = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert not supported(cpu, 128)  # the CPU takes the reference
     if torch.cuda.is_available():
         x = cpu.cuda()
         assert supported(x, 128) and supported(x, 256) and supported(x.half(), 128)
-        assert not supported(x, 64) and not supported(x.float(), 128) and not supported(x.expand(2, 256), 128)
+        assert supported(x.expand(8, 256), 128)  # up to 8 rows: the MMA's columns
+        assert not supported(x, 64) and not supported(x.float(), 128) and not supported(x.expand(9, 256), 128)
 
 
 def test_pick_splits_k_to_fill_the_gpu() -> None:
@@ -186,10 +188,39 @@ def test_cuda_decode_dispatch_takes_it_and_the_switch_turns_it_off(monkeypatch: 
     args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
     direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count))
     assert torch.equal(kernels.int4_gemm(x, *args), direct)
-    monkeypatch.setattr(triton_int4_mma, "MMA_GEMV", False)
+    monkeypatch.setattr(triton_int4_mma, "MMA_GEMV_MAX_ROWS", 0)
     x2 = kernels.int4_gemm(x, *args)  # the x2 CUDA-core GEMV: another rounding, the same product
     assert not torch.equal(x2, direct)
     assert relative_error(x2, reference(x, t, 128, 1)) < 5e-3
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("config", [None, MmaGemvConfig(1, 1, 3, 2)], ids=["default", "split3"])
+def test_cuda_rows_of_x_are_the_mma_columns(m: int, config: MmaGemvConfig | None) -> None:
+    k, n = 1024, 336
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(m, k, dtype=torch.bfloat16, seed=m)
+    config = config or pick_mma_gemv_config(n, k, 132)
+    y = gemv_pairs_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], 128, 1, config)
+    assert y.shape == (m, n)
+    expected = reference(x, t, 128, 1)
+    for row in range(m):  # each row as good as alone: its own column of the MMA
+        assert relative_error(y[row : row + 1], expected[row : row + 1]) < BOUNDS[torch.bfloat16], row
+
+
+@cuda_only
+def test_cuda_decode_dispatch_takes_up_to_8_rows() -> None:
+    k, n = 1024, 512
+    t = gptq_tensors(k, n, 128, 1)
+    args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (4, 8):
+        x = randn(m, k, dtype=torch.bfloat16, seed=m)
+        direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, num_sms))
+        assert torch.equal(kernels.int4_gemm(x, *args), direct)
+    x = randn(9, k, dtype=torch.bfloat16, seed=9)  # 9 rows: the tl.dot kernel
+    assert relative_error(kernels.int4_gemm(x, *args), reference(x, t, 128, 1)) < 5e-3
 
 
 @cuda_only
