@@ -70,8 +70,8 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tu
         refm = int4_reference.int4_gemm(xm.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
         dot = pick_mma_config(m, n, k, num_sms)
         for label, fn in (
-            (f"dot_m{m}", lambda s: int4_mma(xm, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, dot)),
-            (f"mma_m{m}", lambda s: gemv_pairs_mma(xm, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma)),
+            (f"dot_m{m}", lambda s, xm=xm, dot=dot: int4_mma(xm, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, dot)),
+            (f"mma_m{m}", lambda s, xm=xm: gemv_pairs_mma(xm, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma)),
         ):
             row[f"{label}_rel_err"] = round(float((fn(t).float() - refm).norm() / refm.norm()), 5)
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
