@@ -1,9 +1,10 @@
-"""INT4 products of a few rows of x (batched decode, 2..128 rows) on the tensor cores, on
+"""INT4 products of a few rows of x (batched decode, 9..128 rows) on the tensor cores, on
 the "pairs" layout (kernels/int4_rows.py): the weight is the tall operand of tl.dot, x^T
-(its rows zero-padded to BLOCK_M) the narrow one. One row (batch-1 decode) goes to the
-warp-level MMA GEMV of kernels/triton_int4_mma_gemv.py (MMA_GEMV; without shared memory,
-8% faster on llama-3.1-8b's layer than the x2 CUDA-core GEMV of kernels/triton_int4_rows.py,
-which was faster than this kernel at one row: ONE_ROW_ON_TENSOR_CORES; docs/benchmarks.md).
+(its rows zero-padded to BLOCK_M) the narrow one. Up to 8 rows go to the warp-level MMA
+GEMV of kernels/triton_int4_mma_gemv.py (MMA_GEMV_MAX_ROWS; no shared memory, x's rows in
+the MMA's columns: 0.72x this kernel's time on llama-3.1-8b's layer at 2-8 rows, and 6%
+faster at one row than the x2 CUDA-core GEMV of kernels/triton_int4_rows.py, which was
+faster than this kernel there: ONE_ROW_ON_TENSOR_CORES; docs/benchmarks.md).
 
 The weight tile is converted in registers, two weights per 32-bit register: the two
 16-bit halves of a word hold two adjacent inputs of one output, which is what the MMA's

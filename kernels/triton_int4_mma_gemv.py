@@ -1,4 +1,4 @@
-"""The one-row INT4 GEMV (batch-1 decode) on the tensor cores, through warp-level MMAs
+"""The INT4 GEMV of decode (1 to 8 rows of x) on the tensor cores, through warp-level MMAs
 (mma.sync m16n8k16) written in PTX, on the pairs layout (kernels/int4_rows.py). Each lane
 loads from global memory exactly the words its MMA operand needs: no shared memory, no
 barrier in the loop.
@@ -21,8 +21,11 @@ fp32 in the MMA (bf16 products are exact there), so only x is rounded: half the 
 the x2 arithmetic GEMV (kernels/triton_int4_rows.py), whose four-term sums round to x's
 dtype. Per lane and block: 8 words, 32 LOP3, 24 shifts, 16 MMAs (8 weight, 8 sum), 4 FMAs.
 
-Every row of D is x . w (x is in every column of B): lane (g, t) reads outputs g and g + 8
-from d0 and d2. The PTX is right only if element i of the [T] tensors it reads sits in
+At one row every column of B is x, so every column of D is x . w: lane (g, t) reads
+outputs g and g + 8 from d0 and d2. With M rows (MULTI, up to 8) B's column n is x's row n
+(lane (g, t) loads row g's pairs; rows past M repeat the last) and d0, d1, d2, d3 are
+outputs g, g, g + 8, g + 8 for x's rows 2t, 2t + 1, 2t, 2t + 1, the ones-MMA giving each
+row's sum of x in its column: the same loads and MMAs for up to 8 rows. The PTX is right only if element i of the [T] tensors it reads sits in
 lane i % 32 of warp (i // 32) % WARPS, the blocked layout Triton gives them;
 tests/kernels/test_int4_mma_gemv.py checks the compiled kernel's layout (on any machine)
 and its values (on a GPU). K may be split over programs, whose partials meet under a
