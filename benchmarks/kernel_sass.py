@@ -25,10 +25,10 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import triton_gemv, triton_int4_rows, triton_linear
+from kernels import triton_gemv, triton_int4_mma_gemv, triton_int4_rows, triton_linear
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-NOT_DIVISIBLE = {"split_k"}  # run-time values a launch does not specialise (1, 2, 3, ...)
+NOT_DIVISIBLE = {"split_k", "M"}  # run-time values a launch does not specialise (1, 2, 3, ...)
 _OP = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
@@ -73,6 +73,11 @@ INT4_SIGNATURE = {
     "ws_ptr": "*fp32", "lock_ptr": "*i32", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_qn": "i32",
     "group_size": "i32", "split_k": "i32", "exponent": "i32",
 }  # fmt: skip
+MMA_SIGNATURE = {
+    "x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*bf16", "ws_ptr": "*fp32",
+    "lock_ptr": "*i32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
+    "stride_qn": "i32", "group_size": "i32", "split_k": "i32",
+}  # fmt: skip
 BF16_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
 
 
@@ -102,6 +107,13 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
             )  # fmt: skip
             name = f"INT4 {layout} GEMV, 64 outputs, {warps} warps"
             out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))
+    for multi in (False, True):  # pick_mma_gemv_config's default: 1 tile of 16 rows a warp, 2 blocks a step, 4 warps
+        consts = dict(
+            ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False, MULTI=multi,
+            ASM=triton_int4_mma_gemv._ASM[False, multi], CONSTRAINTS=triton_int4_mma_gemv._CONSTRAINTS[multi],
+        )  # fmt: skip
+        name = f"INT4 pairs MMA GEMV, 64 outputs, 4 warps{', 2-8 rows of x' if multi else ''}"
+        out.append((name, triton_int4_mma_gemv._mma_gemv_kernel, MMA_SIGNATURE, consts, 64 * 256 // (32 * 4), 4))
     return out
 
 
