@@ -3,9 +3,11 @@
 Its PTX mixes lanes (an MMA), so it is right only where Triton places element i of its
 operands in lane i % 32: without a GPU, the kernel is compiled for sm_90 (Triton's wheel
 carries ptxas) and its operands' layout, the MMAs per step and a loop without shared
-memory or barriers are checked. With a GPU: its values against the GPTQ reference over
-dtypes, groups, zero offsets, configs and ragged N, SiLU-and-mul against the two launches,
-and the decode dispatch taking it.
+memory or barriers are checked, and the PTX text itself runs on a numpy warp
+(tests/kernels/ptx_warp.py: the ISA's fragment layouts) over operands addressed as the
+kernel addresses them, against the block sums of the dequantized weight. With a GPU: its
+values against the GPTQ reference over dtypes, groups, zero offsets, configs, ragged N and
+1-8 rows of x, SiLU-and-mul against the two launches, and the decode dispatch taking it.
 """
 
 from __future__ import annotations
@@ -16,19 +18,22 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import kernels
 from kernels import int4_reference, triton_int4_mma
-from kernels.int4_rows import gptq_to_pairs
+from kernels.int4_rows import gptq_to_pairs, unpack_pairs_layout
 from kernels.triton_int4_mma_gemv import (
+    _ASM,
     MmaGemvConfig,
     gemv_pairs_mma,
     pick_mma_gemv_config,
     supported,
 )
 from kernels.triton_int4_rows import gemv_rows, pick_rows_config
+from tests.kernels import ptx_warp
 from tests.kernels.test_int4_gemv import gptq_tensors, randn
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -237,3 +242,56 @@ def test_cuda_graph_replays_it() -> None:
         x.copy_(randn(1, k, dtype=torch.bfloat16, seed=seed))
         graph.replay()
         torch.testing.assert_close(y, gemv_pairs_mma(x, *args), atol=0, rtol=0)
+
+
+# --- The PTX itself, on a numpy warp (tests/kernels/ptx_warp.py): any machine
+
+
+def warp_block(t: dict[str, torch.Tensor], x: torch.Tensor, tile: int, block: int, zero_offset: int, multi: bool):
+    """The kernel's operands for one 16-row tile and one block of 128 inputs, lane by lane
+    (as _mma_gemv_kernel addresses them), run through the PTX; -> (outputs, expected)."""
+    fp16 = x.dtype == torch.float16
+    lanes = np.arange(32)
+    g, lane_t = lanes // 4, lanes % 4
+    words = gptq_to_pairs(t["qweight"]).numpy().view(np.uint32)
+    q = unpack_pairs_layout(gptq_to_pairs(t["qweight"])).double().numpy()  # [K, N]
+    qzeros = t["qzeros"].numpy().view(np.uint32)
+    scales = t["scales"].float().numpy()
+    x_pairs = x.contiguous().view(torch.int32).numpy().view(np.uint32)  # [M, K / 2]
+    group = block  # groups of 128
+    inputs, expected = [], []
+    rows = (tile * 16 + g, tile * 16 + g + 8)
+    for row in rows:
+        inputs += [words[row, block * 16 + 4 * lane_t + c] for c in range(4)]
+    zeros = [((qzeros[group, row // 8] >> ((row % 8) * 4)) & 0xF) + zero_offset for row in rows]
+    inputs += [(-((1024.0 if fp16 else 128.0) + z)).astype(np.float32).view(np.uint32) for z in zeros]
+    x_row = np.minimum(g, x.shape[0] - 1) if multi else np.zeros_like(g)
+    inputs += [x_pairs[x_row, block * 64 + 16 * p + 4 * lane_t + c] for p in range(4) for c in range(4)]
+    inputs += [scales[group, row].astype(np.float32).view(np.uint32) for row in rows]
+    outs = [(row, x_col) for row in rows for x_col in ((2 * lane_t, 2 * lane_t + 1) if multi else (x_row,))]
+    inputs += [np.zeros(32, dtype=np.uint32) for _ in outs]
+    k = slice(block * 128, (block + 1) * 128)
+    xs = x.double().numpy()
+    for (row, x_col), zero in zip(outs, [z for z in zeros for _ in range(len(outs) // 2)], strict=True):
+        dots = ((q[k][:, row] - zero[None, :]) * xs[np.minimum(x_col, x.shape[0] - 1)][:, k].T).sum(axis=0)
+        expected.append(scales[group, row] * dots)
+    result = ptx_warp.run(_ASM[fp16, multi], inputs, len(outs))
+    return [bits.view(np.float32).astype(np.float64) for bits in result], expected, outs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8], ids=["one-row", "rows3", "rows8"])
+def test_ptx_on_a_numpy_warp_computes_the_block_sums(dtype: torch.dtype, m: int) -> None:
+    t = gptq_tensors(256, 48, 128, 1, seed=4)
+    t = {name: v.cpu() for name, v in t.items()}
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+    offset = 1024 if dtype == torch.float16 else 128
+    for tile, block in ((0, 0), (2, 1)):
+        actual, expected, outs = warp_block(t, x, tile, block, 1, multi=m > 1)
+        # fp32 sums of (OFFSET + q) x, less (OFFSET + zero) sum x: a few fp32 roundings of
+        # numbers up to (OFFSET + 15) sum |x| (fp16's 1024 costs 8x bf16's 128 here).
+        bound = 2.0**-20 * (offset + 15) * float(x.double().abs()[:, block * 128 : (block + 1) * 128].sum(1).max())
+        bound *= float(t["scales"].abs().max())
+        for (_, x_col), a, e in zip(outs, actual, expected, strict=True):
+            stored = np.asarray(x_col) < m  # x's rows past M: computed, never stored
+            np.testing.assert_allclose(a[stored], e[stored], rtol=0, atol=bound)
