@@ -16,10 +16,12 @@ and + 1 (adjacent: one 16-byte load of x gives both MMAs of a p their B).
 
 The offset is not subtracted per weight: a second MMA chain with A = ones sums x over the
 block (X), and per block and row the fp32 sum becomes sum_k (q_k - zero) x_k = D -
-(OFFSET + zero) X, times the group's scale, into the accumulator. Products and sums are
-fp32 in the MMA (bf16 products are exact there), so only x is rounded: half the error of
-the x2 arithmetic GEMV (kernels/triton_int4_rows.py), whose four-term sums round to x's
-dtype. Per lane and block: 8 words, 32 LOP3, 24 shifts, 16 MMAs (8 weight, 8 sum), 4 FMAs.
+(OFFSET + zero) X, times the group's scale, into the accumulator. Products are exact and
+sums fp32 in the MMA; the subtraction cancels about OFFSET X, so a block's fp32 roundings
+are relative to (OFFSET + 15) sum |x| (2^-24 each): for bf16 (128) far below the output's
+rounding, for fp16 (1024) about as large as fp16's (tests bound both). In bf16, half the
+error of the x2 arithmetic GEMV (kernels/triton_int4_rows.py), whose four-term sums round
+to bf16. Per lane and block: 8 words, 32 LOP3, 24 shifts, 16 MMAs (8 weight, 8 sum), 4 FMAs.
 
 At one row every column of B is x, so every column of D is x . w: lane (g, t) reads
 outputs g and g + 8 from d0 and d2. With M rows (MULTI, up to 8) B's column n is x's row n
