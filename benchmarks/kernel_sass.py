@@ -25,7 +25,7 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import triton_gemv, triton_int4_mma_gemv, triton_int4_rows, triton_linear
+from kernels import int4_mma_ptx, triton_gemv, triton_int4_mma_gemv, triton_int4_rows, triton_linear
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 NOT_DIVISIBLE = {"split_k", "M"}  # run-time values a launch does not specialise (1, 2, 3, ...)
@@ -110,7 +110,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
     for multi in (False, True):  # pick_mma_gemv_config's default: 1 tile of 16 rows a warp, 2 blocks a step, 4 warps
         consts = dict(
             ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False, MULTI=multi,
-            ASM=triton_int4_mma_gemv._ASM[False, multi], CONSTRAINTS=triton_int4_mma_gemv._CONSTRAINTS[multi],
+            ASM=int4_mma_ptx.ASM[False, multi], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[multi],
         )  # fmt: skip
         name = f"INT4 pairs MMA GEMV, 64 outputs, 4 warps{', 2-8 rows of x' if multi else ''}"
         out.append((name, triton_int4_mma_gemv._mma_gemv_kernel, MMA_SIGNATURE, consts, 64 * 256 // (32 * 4), 4))

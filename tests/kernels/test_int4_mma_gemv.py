@@ -24,9 +24,9 @@ import torch
 
 import kernels
 from kernels import int4_reference, triton_int4_mma
+from kernels.int4_mma_ptx import ASM
 from kernels.int4_rows import gptq_to_pairs, unpack_pairs_layout
 from kernels.triton_int4_mma_gemv import (
-    _ASM,
     MmaGemvConfig,
     gemv_pairs_mma,
     pick_mma_gemv_config,
@@ -43,7 +43,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import main_loop
-from kernels import triton_int4_mma_gemv as m
+from kernels import int4_mma_ptx, triton_int4_mma_gemv as m
 tiles, unroll, warps, fp16, silu, multi = (int(a) for a in sys.argv[1:7])
 dtype = "*fp16" if fp16 else "*bf16"
 signature = {
@@ -53,7 +53,7 @@ signature = {
 }
 constexprs = dict(
     ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
-    MULTI=bool(multi), ASM=m._ASM[bool(fp16), bool(multi)], CONSTRAINTS=m._CONSTRAINTS[bool(multi)],
+    MULTI=bool(multi), ASM=int4_mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[bool(multi)],
 )
 names = list(signature) + list(constexprs)
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M")}
@@ -275,7 +275,7 @@ def warp_block(t: dict[str, torch.Tensor], x: torch.Tensor, tile: int, block: in
     for (row, x_col), zero in zip(outs, [z for z in zeros for _ in range(len(outs) // 2)], strict=True):
         dots = ((q[k][:, row] - zero[None, :]) * xs[np.minimum(x_col, x.shape[0] - 1)][:, k].T).sum(axis=0)
         expected.append(scales[group, row] * dots)
-    result = ptx_warp.run(_ASM[fp16, multi], inputs, len(outs))
+    result = ptx_warp.run(ASM[fp16, multi], inputs, len(outs))
     return [bits.view(np.float32).astype(np.float64) for bits in result], expected, outs
 
 
