@@ -49,6 +49,7 @@ from kernels import pdl
 from kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
 from kernels.int4_rows import ROW_BLOCK
 from kernels.semaphores import semaphores, sum_splits
+from kernels.triton_int4_rows import split_steps
 from kernels.triton_linear import store_outputs
 
 # Rows of x the GEMV takes: x's rows are the MMA's 8 columns.
@@ -204,12 +205,7 @@ def pick_mma_gemv_config(
     """Split K until about `programs_per_sm` programs per SM, in at least two ranges. The
     defaults are the best single config of benchmarks/bench_int4_mma_gemv.py's sweep on the
     H200 over llama-3.1-8b's four shapes (docs/benchmarks.md)."""
-    num_blocks = k // ROW_BLOCK
-    while num_blocks % unroll:
-        unroll //= 2
-    num_programs = triton.cdiv(n, 16 * tiles * num_warps)
-    num_steps = num_blocks // unroll
-    split_k = max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
+    unroll, split_k = split_steps(k, unroll, triton.cdiv(n, 16 * tiles * num_warps), num_sms, programs_per_sm)
     return MmaGemvConfig(tiles, unroll, split_k, num_warps)
 
 

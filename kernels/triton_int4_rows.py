@@ -213,13 +213,19 @@ def pick_rows_config(
     block_n = block_n or (128 if wide else 64)
     unroll = unroll or GEMV_UNROLL
     num_warps = num_warps or (4 if k < 8192 and not wide else 2)
+    unroll, split_k = split_steps(k, unroll, triton.cdiv(n, block_n), num_sms, programs_per_sm)
+    return RowsGemvConfig(block_n, unroll, split_k, num_warps, num_stages)
+
+
+def split_steps(k: int, unroll: int, num_programs: int, num_sms: int, programs_per_sm: int) -> tuple[int, int]:
+    """The one-row GEMVs' steps (this file's and kernels/triton_int4_mma_gemv.py's): halve
+    `unroll` until it divides K's blocks of 128 inputs, then split the steps over programs
+    until about `programs_per_sm` programs per SM, in at least two ranges. -> (unroll, split_k)."""
     num_blocks = k // ROW_BLOCK
     while num_blocks % unroll:
         unroll //= 2
-    num_programs = triton.cdiv(n, block_n)
     num_steps = num_blocks // unroll
-    split_k = max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
-    return RowsGemvConfig(block_n, unroll, split_k, num_warps, num_stages)
+    return unroll, max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
 
 
 def packed_math(dtype: torch.dtype, group_size: int) -> bool:
