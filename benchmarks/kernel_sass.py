@@ -76,7 +76,7 @@ INT4_SIGNATURE = {
 MMA_SIGNATURE = {
     "x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*bf16", "ws_ptr": "*fp32",
     "lock_ptr": "*i32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
-    "stride_qn": "i32", "group_size": "i32", "split_k": "i32",
+    "stride_qn": "i32", "split_k": "i32",
 }  # fmt: skip
 BF16_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
 
@@ -109,7 +109,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
             out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))
     for multi in (False, True):  # pick_mma_gemv_config's default: 1 tile of 16 rows a warp, 2 blocks a step, 4 warps
         consts = dict(
-            ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False, MULTI=multi,
+            GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False, MULTI=multi,
             ASM=int4_mma_ptx.ASM[False, multi], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[multi],
         )  # fmt: skip
         name = f"INT4 pairs MMA GEMV, 64 outputs, 4 warps{', 2-8 rows of x' if multi else ''}"

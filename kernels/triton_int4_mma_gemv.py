@@ -77,10 +77,10 @@ def _offset(qzeros_ptr, group, row, N, ZERO_OFFSET: tl.constexpr, FP16: tl.const
 
 
 @triton.jit
-def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, group_size,
-                  UNROLL: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):  # fmt: skip
+def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N,
+                  GROUP_BLOCKS: tl.constexpr, UNROLL: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):  # fmt: skip
     """A step's weights: both rows' words, their -(OFFSET + zero) and scales."""
-    group = (step * UNROLL + block) * 128 // group_size
+    group = (step * UNROLL + block) // GROUP_BLOCKS
     return (
         tl.load(words_lo + step * 16 * UNROLL), tl.load(words_hi + step * 16 * UNROLL),
         _offset(qzeros_ptr, group, row_lo, N, ZERO_OFFSET, FP16), _offset(qzeros_ptr, group, row_hi, N, ZERO_OFFSET, FP16),
@@ -109,7 +109,7 @@ def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
 @triton.jit
 def _mma_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, ws_ptr, lock_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, group_size, split_k,
+    M, N, K, stride_xm, stride_ym, stride_qn, split_k, GROUP_BLOCKS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
     CONSTRAINTS: tl.constexpr,
@@ -152,7 +152,7 @@ def _mma_gemv_kernel(
     # cp.async pipeline made this loop 4x slower, a wait and a barrier a step). Under PDL the
     # first step's weights are read before waiting for x (kernels/pdl.py).
     lo, hi, off_lo, off_hi, s_lo, s_hi = _load_weights(
-        tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, group_size,
+        tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
         UNROLL, ZERO_OFFSET, FP16,
     )  # fmt: skip
     if PDL:
@@ -161,7 +161,7 @@ def _mma_gemv_kernel(
     for step in tl.range(first, last, num_stages=1):
         ahead = tl.minimum(step + 1, last - 1)
         n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
-            ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, group_size,
+            ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
             UNROLL, ZERO_OFFSET, FP16,
         )  # fmt: skip
         n_xa, n_xb, n_xc, n_xd = _load_x(ahead, x_pairs, UNROLL)
@@ -246,8 +246,10 @@ def gemv_pairs_mma(
     fp16, multi = x.dtype == torch.float16, m > 1
     _mma_gemv_kernel[(1, num_blocks_n, config.split_k)](
         x, qweight, qzeros, scales, workspace, semaphores("int4_mma_gemv", x.device, num_blocks_n), y,
-        m, n, k, x.stride(0), y.stride(0), qweight.stride(0), group_size, config.split_k,
-        ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll, WARPS=config.num_warps, PDL=use_pdl,
+        m, n, k, x.stride(0), y.stride(0), qweight.stride(0), config.split_k,
+        # a constant: a step's group is then a shift, not a division (307 -> 259 loop instructions)
+        GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,
+        WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip

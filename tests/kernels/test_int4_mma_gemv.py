@@ -49,10 +49,10 @@ dtype = "*fp16" if fp16 else "*bf16"
 signature = {
     "x_ptr": dtype, "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": dtype, "ws_ptr": "*fp32",
     "lock_ptr": "*i32", "y_ptr": dtype, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
-    "stride_qn": "i32", "group_size": "i32", "split_k": "i32",
+    "stride_qn": "i32", "split_k": "i32",
 }
 constexprs = dict(
-    ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
+    GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
     MULTI=bool(multi), ASM=int4_mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[bool(multi)],
 )
 names = list(signature) + list(constexprs)
