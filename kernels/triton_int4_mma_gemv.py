@@ -54,6 +54,10 @@ from kernels.triton_linear import store_outputs
 
 # Rows of x the GEMV takes: x's rows are the MMA's 8 columns.
 MAX_ROWS = 8
+# Fewest ranges K is split into. One: gate_up's 448 programs of 64 rows fill the H200's SMs
+# without a split, and splitting it in two costs the partials' round trip (26.2 -> 23.9 us;
+# docs/benchmarks.md, session 14). The x2 GEMV keeps split_steps' default of two.
+MIN_SPLIT = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +206,11 @@ def _tile_sums(acc, UNROLL: tl.constexpr, TILES: tl.constexpr):
 def pick_mma_gemv_config(
     n: int, k: int, num_sms: int, tiles: int = 1, unroll: int = 2, num_warps: int = 4, programs_per_sm: int = 4
 ) -> MmaGemvConfig:  # fmt: skip
-    """Split K until about `programs_per_sm` programs per SM, in at least two ranges. The
+    """Split K until about `programs_per_sm` programs per SM (at least MIN_SPLIT ranges). The
     defaults are the best single config of benchmarks/bench_int4_mma_gemv.py's sweep on the
     H200 over llama-3.1-8b's four shapes (docs/benchmarks.md)."""
-    unroll, split_k = split_steps(k, unroll, triton.cdiv(n, 16 * tiles * num_warps), num_sms, programs_per_sm)
+    num_programs = triton.cdiv(n, 16 * tiles * num_warps)
+    unroll, split_k = split_steps(k, unroll, num_programs, num_sms, programs_per_sm, MIN_SPLIT)
     return MmaGemvConfig(tiles, unroll, split_k, num_warps)
 
 

@@ -217,15 +217,18 @@ def pick_rows_config(
     return RowsGemvConfig(block_n, unroll, split_k, num_warps, num_stages)
 
 
-def split_steps(k: int, unroll: int, num_programs: int, num_sms: int, programs_per_sm: int) -> tuple[int, int]:
+def split_steps(
+    k: int, unroll: int, num_programs: int, num_sms: int, programs_per_sm: int, min_split: int = 2
+) -> tuple[int, int]:  # fmt: skip
     """The one-row GEMVs' steps (this file's and kernels/triton_int4_mma_gemv.py's): halve
     `unroll` until it divides K's blocks of 128 inputs, then split the steps over programs
-    until about `programs_per_sm` programs per SM, in at least two ranges. -> (unroll, split_k)."""
+    until about `programs_per_sm` programs per SM, in at least `min_split` ranges.
+    -> (unroll, split_k)."""
     num_blocks = k // ROW_BLOCK
     while num_blocks % unroll:
         unroll //= 2
     num_steps = num_blocks // unroll
-    return unroll, max(min(2, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
+    return unroll, max(min(min_split, num_steps), min(num_steps, (programs_per_sm * num_sms) // num_programs))
 
 
 def packed_math(dtype: torch.dtype, group_size: int) -> bool:

@@ -115,7 +115,7 @@ def test_pick_splits_k_to_fill_the_gpu() -> None:
     small = pick_mma_gemv_config(4096, 4096, 132)
     assert (small.tiles, small.unroll, small.num_warps, small.block_n) == (1, 2, 4, 64)
     assert small.split_k == 8  # 64 programs over 132 SMs, 4 a SM: 528 / 64
-    assert pick_mma_gemv_config(28672, 4096, 132).split_k == 2  # at least two ranges
+    assert pick_mma_gemv_config(28672, 4096, 132).split_k == 1  # 448 programs fill 132 SMs: no split
     assert pick_mma_gemv_config(4096, 128, 132).split_k == 1  # one block: nothing to split
     assert pick_mma_gemv_config(4096, 384, 132).unroll == 1  # 3 blocks: 2 does not divide them
 
