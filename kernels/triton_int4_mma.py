@@ -4,7 +4,7 @@ the "pairs" layout (kernels/int4_rows.py): the weight is the tall operand of tl.
 GEMV of kernels/triton_int4_mma_gemv.py (MMA_GEMV_MAX_ROWS; no shared memory, x's rows in
 the MMA's columns: 0.72x this kernel's time on llama-3.1-8b's layer at 2-8 rows, and 6%
 faster at one row than the x2 CUDA-core GEMV of kernels/triton_int4_rows.py, which was
-faster than this kernel there: ONE_ROW_ON_TENSOR_CORES; docs/benchmarks.md).
+faster than this kernel there: ONE_ROW_ON_TL_DOT; docs/benchmarks.md).
 
 The weight tile is converted in registers, two weights per 32-bit register: the two
 16-bit halves of a word hold two adjacent inputs of one output, which is what the MMA's
@@ -49,11 +49,12 @@ from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
 DEQUANT_MIN_ROWS = 128
-# One row of x (batch-1 decode) on the tensor cores too (True), or through the CUDA-core
-# GEMV of kernels/triton_int4_rows.py on the same layout (False). One row on the tensor
-# cores made batch-1 decode of llama-3.1-8b 3.197 ms against 3.060 with the GEMV (then on
-# the rows layout; one H200 call, docs/benchmarks.md).
-ONE_ROW_ON_TENSOR_CORES = False
+# One row of x (batch-1 decode) on this file's tl.dot kernel too (True; an experiment switch),
+# or through the GEMVs (False): the MMA GEMV, or the CUDA-core GEMV of
+# kernels/triton_int4_rows.py where it does not apply. One row here made batch-1 decode of
+# llama-3.1-8b 3.197 ms against 3.060 with the CUDA-core GEMV (then on the rows layout; one
+# H200 call, docs/benchmarks.md, where the switch is named ONE_ROW_ON_TENSOR_CORES).
+ONE_ROW_ON_TL_DOT = False
 # At one row, SiLU-and-mul of a [gate | up] product in the GEMV's last program (one launch).
 SILU_MUL_GEMV = True
 # Rows of x up to which the warp-level MMA GEMV (kernels/triton_int4_mma_gemv.py: bf16 or fp16
@@ -284,16 +285,16 @@ def int4_gemm_pairs(
     m, k = x.shape
     n = qweight.shape[0]
     group = k if group_size == -1 else group_size
-    if silu_mul and (m != 1 or ONE_ROW_ON_TENSOR_CORES or not SILU_MUL_GEMV):
+    if silu_mul and (m != 1 or ONE_ROW_ON_TL_DOT or not SILU_MUL_GEMV):
         from kernels import silu_and_mul
 
         return silu_and_mul(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms))
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
-    if m <= MMA_GEMV_MAX_ROWS and not ONE_ROW_ON_TENSOR_CORES and mma_gemv.supported(x, group):
+    if m <= MMA_GEMV_MAX_ROWS and not (m == 1 and ONE_ROW_ON_TL_DOT) and mma_gemv.supported(x, group):
         mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
         return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul)
-    if m == 1 and not ONE_ROW_ON_TENSOR_CORES:
+    if m == 1 and not ONE_ROW_ON_TL_DOT:
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))

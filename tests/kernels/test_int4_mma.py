@@ -140,7 +140,7 @@ def test_int4_mma_llama_shapes(k: int, n: int, m: int, dtype: torch.dtype) -> No
     "config", [MmaConfig(64, 16, 5, num_warps=1), MmaConfig(128, 16, 3, num_warps=4, early=True), None]
 )
 def test_int4_mma_other_configs_on_gpu(config: MmaConfig | None) -> None:
-    # None: one row on the tensor cores through the dispatch (ONE_ROW_ON_TENSOR_CORES).
+    # None: one row on the tl.dot kernel through the dispatch (ONE_ROW_ON_TL_DOT).
     k, n = 4096, 4096
     t = gptq_tensors(k, n, 128, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=8)
@@ -148,7 +148,7 @@ def test_int4_mma_other_configs_on_gpu(config: MmaConfig | None) -> None:
         from kernels import triton_int4_mma
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(triton_int4_mma, "ONE_ROW_ON_TENSOR_CORES", True)
+            patch.setattr(triton_int4_mma, "ONE_ROW_ON_TL_DOT", True)
             actual = kernels.int4_gemm(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1).float()
     else:
         actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, config).float()
