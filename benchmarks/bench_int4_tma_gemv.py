@@ -69,7 +69,7 @@ def _offset(qzeros_ptr, group, row, N, ZERO_OFFSET: gl.constexpr):
 @gluon.jit
 def _lanes(N, UNROLL: gl.constexpr, WARPS: gl.constexpr):
     """Element i of the [T] operands: lane i % 32 of warp (i // 32) % WARPS, block of the step
-    i // (32 WARPS). -> (block, t, row_lo, row_hi, x's pairs 16p + 4t + c as [T, 4] pointers
+    i // (32 WARPS). -> (block, row_lo, row_hi, x's pairs 16p + 4t + c as [T, 4] pointers
     to offset from x)."""
     T: gl.constexpr = UNROLL * WARPS * 32
     L4: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
@@ -80,7 +80,7 @@ def _lanes(N, UNROLL: gl.constexpr, WARPS: gl.constexpr):
     row_lo = gl.program_id(0) * 16 * WARPS + (i // 32) % WARPS * 16 + g
     row_hi = row_lo + 8
     pairs = gl.expand_dims(block * 64 + 4 * t, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L4)), 0)
-    return block, t, gl.where(row_lo < N, row_lo, 0), gl.where(row_hi < N, row_hi, 0), pairs
+    return block, gl.where(row_lo < N, row_lo, 0), gl.where(row_hi < N, row_hi, 0), pairs
 
 
 @gluon.jit
@@ -148,7 +148,7 @@ def _tma_gemv_kernel(
     T: gl.constexpr = UNROLL * WARPS * 32
     L1: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0]))
     pid = gl.program_id(0)
-    block, t, row_lo, row_hi, pairs = _lanes(N, UNROLL, WARPS)
+    block, row_lo, row_hi, pairs = _lanes(N, UNROLL, WARPS)
     x_pairs = x_ptr.to(gl.pointer_type(gl.uint32)) + pairs
     smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -193,7 +193,7 @@ def _ws_compute(x_ptr, qzeros_ptr, scales_ptr, y_ptr, N, smem, ready, empty, num
     """The consumer warps: read a stage into registers, release it, compute."""
     T: gl.constexpr = UNROLL * WARPS * 32
     L1: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0]))
-    block, t, row_lo, row_hi, pairs = _lanes(N, UNROLL, WARPS)
+    block, row_lo, row_hi, pairs = _lanes(N, UNROLL, WARPS)
     x_pairs = x_ptr.to(gl.pointer_type(gl.uint32)) + pairs
     acc0 = gl.zeros([T], gl.float32, layout=L1)
     acc1 = gl.zeros([T], gl.float32, layout=L1)

@@ -209,7 +209,7 @@ def pick_mma_gemv_config(
     """Split K until about `programs_per_sm` programs per SM (at least MIN_SPLIT ranges). The
     defaults are the best single config of benchmarks/bench_int4_mma_gemv.py's sweep on the
     H200 over llama-3.1-8b's four shapes (docs/benchmarks.md)."""
-    num_programs = triton.cdiv(n, 16 * tiles * num_warps)
+    num_programs = triton.cdiv(n, MmaGemvConfig(tiles, unroll, 1, num_warps).block_n)
     unroll, split_k = split_steps(k, unroll, num_programs, num_sms, programs_per_sm, MIN_SPLIT)
     return MmaGemvConfig(tiles, unroll, split_k, num_warps)
 
