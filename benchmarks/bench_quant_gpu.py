@@ -3,7 +3,7 @@ where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same r
 
     PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput] [--pdl off,on]
         [--lane-sums off,on] [--decode-rotary off,on] [--lm-head cublas,gemv] [--vary MODULE.ATTR=A,B]
-        [--rounds 3]
+        [--int4-gemv mma,read] [--rounds 3]
 
 Methods: bf16 and the quantization names; gptq-lm-head is gptq with lm_head quantized too
 (a checkpoint declaring `lm_head: true`), so the logits GEMV reads INT4 as well.
@@ -20,7 +20,12 @@ for the decode attention rotating and caching the new token itself
 (kernels.rotary_paged_attention) against the separate rotary + KV write launch before it,
 `--lm-head cublas,gemv` for the logits through cuBLAS or the Triton GEMV, and `--vary
 MODULE.ATTR=A,B` for any module-level switch read at graph capture. Every
-combination runs every method.
+combination runs every method. `--int4-gemv read` is a bound, not a kernel: each INT4 GEMV
+of 1 to 8 rows (the MMA GEMV's calls) is replaced by a plain read of its packed weight
+(every byte once, no arithmetic, 8 programs an SM striding over it; the outputs are zeros),
+launched under PDL as the GEMV is: the INT4 step if the GEMVs cost only a read of their bytes, everything
+else (norms, attention, rotary, lm_head where cuBLAS, launches) as it is. Its tokens are
+not the model's.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ import statistics
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 import kernels
 from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
@@ -42,7 +50,7 @@ from engine import LLM, SamplingParams
 from engine.errors import EngineError
 from engine.layers import attention
 from engine.models.llama import CausalLM
-from kernels import pdl, triton_gemv
+from kernels import pdl, triton_gemv, triton_int4_mma, triton_int4_mma_gemv
 
 PRESET = "llama-3.1-8b"
 RESULTS: list[dict[str, Any]] = []
@@ -106,6 +114,8 @@ def _apply(name: str, value: str) -> None:
         )
     elif name == "lane-sums":
         triton_gemv.LANE_SUMS = value == "on"
+    elif name == "int4-gemv":
+        triton_int4_mma.mma_gemv.gemv_pairs_mma = _MMA_GEMV if value == "mma" else _read_only_gemv
     elif name == "lm-head":  # cuBLAS (CausalLM.compute_logits: nn.Linear) or the Triton GEMV
         CausalLM.compute_logits = _COMPUTE_LOGITS if value == "cublas" else _gemv_logits  # type: ignore[method-assign]
     else:
@@ -114,6 +124,40 @@ def _apply(name: str, value: str) -> None:
 
 
 _COMPUTE_LOGITS = CausalLM.compute_logits
+_MMA_GEMV = triton_int4_mma_gemv.gemv_pairs_mma
+
+
+@triton.jit
+def _read_only_kernel(w_ptr, y_ptr, num_words, n_out, OUT_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Reads the packed weight once, 4 KB a program a step, the programs striding over it
+    (16 bytes a thread a load); writes zeros to y through a test the compiler cannot fold,
+    so that the loads stay."""
+    if PDL:  # before any load, as the GEMV must wait before it reads x
+        gdc_wait()
+    pid = tl.program_id(0)
+    offs = tl.arange(0, 1024)
+    acc = tl.zeros((1024,), tl.int32)
+    for start in range(pid * 1024, num_words, tl.num_programs(0) * 1024):
+        acc ^= tl.load(w_ptr + start + offs, mask=start + offs < num_words, other=0)
+    cols = pid * OUT_BLOCK + tl.arange(0, OUT_BLOCK)
+    hit = tl.sum(acc, axis=0) == 0x5A5A5A5A
+    tl.store(y_ptr + cols, tl.where(hit, 1.0, 0.0).to(y_ptr.dtype.element_ty), mask=cols < n_out)
+
+
+def _read_only_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+    zero_offset: int, config: triton_int4_mma_gemv.MmaGemvConfig, silu_mul: bool = False, tiled: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """`--int4-gemv read`: the MMA GEMV's call replaced by a read of its packed weight by
+    8 programs an SM (or fewer, one per 4 KB)."""
+    m, n_out = x.shape[0], qweight.shape[0] // 2 if silu_mul else qweight.shape[0]
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    programs = min(8 * torch.cuda.get_device_properties(x.device).multi_processor_count, triton.cdiv(qweight.numel(), 1024))
+    use_pdl = pdl.enabled(x)
+    out_block = triton.next_power_of_2(triton.cdiv(m * n_out, programs))
+    _read_only_kernel[(programs,)](qweight, y, qweight.numel(), m * n_out, OUT_BLOCK=out_block, PDL=use_pdl,
+                                   num_warps=4, launch_pdl=use_pdl)  # fmt: skip
+    return y
 
 
 def _gemv_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,6 +186,8 @@ def main() -> None:
     parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
                         help="also compare these values of a module attribute, e.g. kernels.pdl.SILU_MUL_LATE_TRIGGER=False,True")
     parser.add_argument("--lm-head", default="cublas", help="cublas, gemv, or cublas,gemv: the batch-1 logits")
+    parser.add_argument("--int4-gemv", default="mma",
+                        help="mma, read, or mma,read: the INT4 GEMVs, or a plain read of their bytes (a bound)")
     parser.add_argument("--decode-rotary", default="on",
                         help="on, off, or off,on: decode attention rotates and caches the new token itself")
     parser.add_argument("--lane-sums", default="off" if not triton_gemv.LANE_SUMS else "on",
@@ -153,6 +199,7 @@ def main() -> None:
     axes: list[tuple[str, list[str]]] = [
         ("pdl", args.pdl.split(",")), ("decode-rotary", args.decode_rotary.split(",")),
         ("lane-sums", args.lane_sums.split(",")), ("lm-head", args.lm_head.split(",")),
+        ("int4-gemv", args.int4_gemv.split(",")),
     ] + [(name, values.split(",")) for name, values in (v.split("=", 1) for v in args.vary)]  # fmt: skip
     tokens: dict[tuple[str, str], list[int]] = {}
     for values in itertools.product(*(v for _, v in axes)):
