@@ -50,7 +50,7 @@ from engine import LLM, SamplingParams
 from engine.errors import EngineError
 from engine.layers import attention
 from engine.models.llama import CausalLM
-from kernels import pdl, triton_gemv, triton_int4_mma, triton_int4_mma_gemv
+from kernels import int4_rows, pdl, triton_gemv, triton_int4_mma, triton_int4_mma_gemv
 
 PRESET = "llama-3.1-8b"
 RESULTS: list[dict[str, Any]] = []
@@ -150,7 +150,8 @@ def _read_only_gemv(
 ) -> torch.Tensor:  # fmt: skip
     """`--int4-gemv read`: the MMA GEMV's call replaced by a read of its packed weight by
     8 programs an SM (or fewer, one per 4 KB)."""
-    m, n_out = x.shape[0], qweight.shape[0] // 2 if silu_mul else qweight.shape[0]
+    m, (n, _) = x.shape[0], int4_rows.pairs_shape(qweight)
+    n_out = n // 2 if silu_mul else n
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     programs = min(8 * torch.cuda.get_device_properties(x.device).multi_processor_count, triton.cdiv(qweight.numel(), 1024))
     use_pdl = pdl.enabled(x)

@@ -205,12 +205,12 @@ def int4_gemm(
     silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ a GPTQ/AWQ INT4 weight [K, N] -> [M, N] (kernels/int4_reference.py has the
-    layouts; layouts "rows" and "pairs": GPTQ repacked at load, kernels/int4_rows.py); g_idx None: groups
+    layouts; layouts "rows", "pairs" and "tiles": GPTQ repacked at load, kernels/int4_rows.py); g_idx None: groups
     of `group_size` consecutive inputs. silu_mul: the weight is [gate | up], the result
-    `silu_and_mul` of the product, [M, N / 2]; on the pairs layout at one row on CUDA, one launch."""
-    if silu_mul and not (layout == "pairs" and x.is_cuda):
+    `silu_and_mul` of the product, [M, N / 2]; on the pairs and tiles layouts at one row on CUDA, one launch."""
+    if silu_mul and not (layout in ("pairs", "tiles") and x.is_cuda):
         return silu_and_mul(int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset))
-    if layout in ("rows", "pairs"):
+    if layout in ("rows", "pairs", "tiles"):
         assert g_idx is None, "act-order weights keep GPTQ's layout"
         if not x.is_cuda:
             from kernels import int4_reference
@@ -219,8 +219,10 @@ def int4_gemm(
         from kernels import triton_int4_gemm, triton_int4_mma, triton_int4_rows_dot
 
         num_sms = triton_int4_gemm._num_sms(x.device)
-        if layout == "pairs":
-            return triton_int4_mma.int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms, silu_mul)
+        if layout in ("pairs", "tiles"):
+            return triton_int4_mma.int4_gemm_pairs(
+                x, qweight, qzeros, scales, group_size, zero_offset, num_sms, silu_mul, tiled=layout == "tiles"
+            )
         return triton_int4_rows_dot.int4_gemm_rows(x, qweight, qzeros, scales, group_size, zero_offset, num_sms)
     if not x.is_cuda:
         from kernels import int4_reference

@@ -25,7 +25,7 @@ import torch
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # AWQ_NIBBLE[j]: the nibble that holds output 8c + j (the inverse of AWQ_ORDER).
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
-LAYOUTS = ("gptq", "awq", "rows", "pairs")  # rows, pairs: GPTQ repacked at load (kernels/int4_rows.py)
+LAYOUTS = ("gptq", "awq", "rows", "pairs", "tiles")  # rows, pairs, tiles: GPTQ repacked at load (kernels/int4_rows.py)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -68,13 +68,17 @@ def dequantize(
     """The fp32 weight [K, N] of packed INT4 tensors. g_idx: int [K], the group of each
     input (act-order), or None for groups of `group_size` consecutive inputs (-1: one)."""
     assert layout in LAYOUTS, layout
-    if layout in ("rows", "pairs"):
+    if layout in ("rows", "pairs", "tiles"):
         from kernels.int4_rows import (  # they import this module
+            tiles_to_pairs,
             unpack_pairs_layout,
             unpack_rows_layout,
         )
 
-        q = unpack_rows_layout(qweight) if layout == "rows" else unpack_pairs_layout(qweight)  # [K, N]
+        if layout == "rows":
+            q = unpack_rows_layout(qweight)  # [K, N]
+        else:
+            q = unpack_pairs_layout(tiles_to_pairs(qweight) if layout == "tiles" else qweight)
     else:
         q = unpack_rows(qweight) if layout == "gptq" else unpack_cols(qweight, "awq")  # [K, N]
     zeros = unpack_cols(qzeros, layout) + zero_offset  # [G, N]

@@ -1,6 +1,7 @@
 """INT4 layouts for decode: GPTQ's weights repacked at load so that each output's inputs are
 contiguous, which is what a batch-1 GEMV wants. Two of them, both qweight int32 [N, K/8]
-(row n holds output n; inputs in blocks of ROW_BLOCK = 128), zeros and scales GPTQ's:
+(row n holds output n; inputs in blocks of ROW_BLOCK = 128), zeros and scales GPTQ's, and a
+reordering of the second's words:
 
   "rows"   nibble j (bits 4j..4j+3) of word w of block b holds input 128 b + 16 j + w:
            the j-th nibbles of a block's 16 words are 16 consecutive inputs.
@@ -8,14 +9,23 @@ contiguous, which is what a batch-1 GEMV wants. Two of them, both qweight int32 
            read as int16 halves, nibble p of half c holds input 128 b + 32 p + c, so the
            two halves of a word are adjacent inputs, what a tensor-core operand register
            holds (kernels/triton_int4_mma.py); the CUDA-core GEMV reads it too.
+  "tiles"  the pairs words in the order the MMA GEMV's lanes read them, int32
+           [N/16, K/128, 256]: tile r of 16 outputs, block b, lane (g, t) = (l // 4, l % 4)
+           at words 8 l .. 8 l + 7 = pairs words 16 b + 4 t .. + 3 of output 16 r + g, then
+           of output 16 r + g + 8. A warp's block is then 1 KB in one piece, and a tile's
+           weight one run of 16 K / 2 bytes (the pairs layout has 16 runs of 64 bytes per
+           block, 2 KB apart at K = 4096): the MMA GEMV 0.91x its time on the pairs layout
+           on llama-3.1-8b's gate_up, 0.94x over a layer (docs/benchmarks.md, session 15).
 
-kernels/triton_int4_rows.py reads both at one row of x (its `pairs` flag),
-kernels/triton_int4_rows_dot.py "rows" at 2..128 rows; kernels/triton_int4_mma.py reads "pairs" at 2..128 rows. Int4Linear repacks
-into DECODE_LAYOUT where the layout fits (`pairs_layout_fits`: runs of 32 inputs within a
-group; `rows_layout_fits`: runs of 16), else into rows, else keeps GPTQ's.
-The torch functions here are the definition: `rows_to_gptq(gptq_to_rows(w)) == w`,
-`unpack_pairs_layout(gptq_to_pairs(w)) == unpack_rows(w)`, and kernels/int4_reference.py
-dequantizes both through them (the CPU path).
+kernels/triton_int4_rows.py reads rows and pairs at one row of x (its `pairs` flag),
+kernels/triton_int4_rows_dot.py "rows" at 2..128 rows; kernels/triton_int4_mma.py and the MMA
+GEMV read "pairs" and "tiles" (`tiled`). Int4Linear repacks into DECODE_LAYOUT where the
+layout fits (`tiles_layout_fits`: 16-output tiles, groups of whole blocks;
+`pairs_layout_fits`: runs of 32 inputs within a group; `rows_layout_fits`: runs of 16),
+else into the next of tiles, pairs, rows that fits, else keeps GPTQ's. The torch functions
+here are the definition: `rows_to_gptq(gptq_to_rows(w)) == w`,
+`unpack_pairs_layout(gptq_to_pairs(w)) == unpack_rows(w)`, `tiles_to_pairs(pairs_to_tiles(p))
+== p`, and kernels/int4_reference.py dequantizes all three through them (the CPU path).
 """
 
 from __future__ import annotations
@@ -27,10 +37,11 @@ import torch
 from kernels.int4_reference import unpack_rows
 
 # The layout Int4Linear repacks GPTQ weights into (engine/quantization/int4_linear.py):
-# "pairs" (batch-1 3.037 ms against 3.080 for rows, and offline throughput 5,509 tok/s
-# against 4,256 on the H200, llama-3.1-8b; docs/benchmarks.md) or "rows".
-DECODE_LAYOUT = "pairs"
+# "tiles", "pairs" (batch-1 3.037 ms against 3.080 for rows, and offline throughput 5,509
+# tok/s against 4,256 on the H200, llama-3.1-8b; docs/benchmarks.md) or "rows".
+DECODE_LAYOUT = "tiles"
 ROW_BLOCK = 128  # inputs per block
+TILE_ROWS = 16  # outputs per tile of the tiles layout (the MMA's 16 rows)
 WORDS_PER_BLOCK = ROW_BLOCK // 8
 _CHUNK = 4096  # outputs repacked at a time (bounds the int64 temporaries)
 
@@ -108,3 +119,35 @@ def unpack_pairs_layout(pairs: torch.Tensor) -> torch.Tensor:
     nibbles = (pairs.unsqueeze(-1) >> shifts) & 0xF  # [N, K/8, 8]: (n, 16 b + w, 4 h + p)
     q = nibbles.reshape(out_features, -1, WORDS_PER_BLOCK, 2, 4).permute(1, 4, 2, 3, 0)  # [B, p, w, h, N]
     return q.reshape(num_words * 8, out_features)
+
+
+def tiles_layout_fits(in_features: int, output_sizes: list[int], group_size: int) -> bool:
+    """Whether a GPTQ weight of these parts of outputs (one, or a fused layer's) fits the tiles
+    layout: every part whole 16-output tiles (a SiLU-and-mul GEMV reads gate and up rows as
+    tiles), and groups of whole blocks (the MMA GEMV reads one zero and scale a block)."""
+    group = in_features if group_size == -1 else group_size
+    whole_tiles = all(size % TILE_ROWS == 0 for size in output_sizes)
+    return whole_tiles and in_features % ROW_BLOCK == 0 and group % ROW_BLOCK == 0
+
+
+def pairs_to_tiles(pairs: torch.Tensor) -> torch.Tensor:
+    """Pairs qweight [N, K/8] -> tiles qweight [N/16, K/128, 256] (the same words)."""
+    out_features, num_words = pairs.shape
+    assert out_features % TILE_ROWS == 0 and num_words % WORDS_PER_BLOCK == 0, pairs.shape
+    # [r, h, g, b, t, c]: word 16 b + 4 t + c of output 16 r + 8 h + g -> [r, b, g, t, h, c]
+    words = pairs.reshape(out_features // TILE_ROWS, 2, 8, num_words // WORDS_PER_BLOCK, 4, 4)
+    return words.permute(0, 3, 2, 4, 1, 5).reshape(out_features // TILE_ROWS, -1, 256).contiguous()
+
+
+def tiles_to_pairs(tiles: torch.Tensor) -> torch.Tensor:
+    """Tiles qweight [N/16, K/128, 256] -> pairs qweight [N, K/8]."""
+    num_tiles, num_blocks, _ = tiles.shape
+    words = tiles.reshape(num_tiles, num_blocks, 8, 4, 2, 4).permute(0, 4, 2, 1, 3, 5)  # [r, h, g, b, t, c]
+    return words.reshape(num_tiles * TILE_ROWS, num_blocks * WORDS_PER_BLOCK).contiguous()
+
+
+def pairs_shape(qweight: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a pairs [N, K/8] or tiles [N/16, K/128, 256] qweight."""
+    if qweight.dim() == 3:
+        return qweight.shape[0] * TILE_ROWS, qweight.shape[1] * ROW_BLOCK
+    return qweight.shape[0], qweight.shape[1] * 8

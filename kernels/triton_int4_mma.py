@@ -43,6 +43,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
 from kernels import triton_int4_mma_gemv as mma_gemv
+from kernels.int4_rows import pairs_shape
 from kernels.semaphores import reduce_splits, semaphores
 from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
@@ -135,16 +136,29 @@ def _block_product(
 
 
 @triton.jit
+def _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED: tl.constexpr):
+    """-> (pointers to block 0's halves [BN, 32] of rows_n, halves from one block to the next).
+    Pairs: row n's halves are contiguous. Tiles: half c of row n's block is in the 16-byte
+    lane (n % 8, c // 8) of its tile's block, in the first or second half (n % 16 // 8)."""
+    if TILED:
+        lane = (rows_n % 8 * 4)[:, None] + (offs_c // 8)[None, :]
+        row = (rows_n // 16 * stride_hn + rows_n % 16 // 8 * 8)[:, None]
+        return halves_ptr + row + lane * 16 + (offs_c % 8)[None, :], 512
+    return halves_ptr + rows_n[:, None] * stride_hn + offs_c[None, :], 32
+
+
+@triton.jit
 def _pairs_mma_kernel(
     x_ptr, halves_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, stride_hn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_P: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, TILED: tl.constexpr = False,
 ):  # fmt: skip
     """Program (M block, N block, split). halves: the qweight as int16 [N, K/4]; half c of a
     block, nibble p, is input 32 p + c of the block. GROUP_P: runs of 32 inputs per group
     (at most 4). stride_hn (K / 4) is an argument so that Triton sees it divisible by 16.
+    TILED: the tiles layout (halves [N/16, K/128, 512], stride_hn a tile's K * 4 halves).
     EARLY (with PDL): the first block's weights are read before the wait."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -157,10 +171,10 @@ def _pairs_mma_kernel(
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, num_blocks)
     x_rows = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T [32, BM] of a run of 32
-    weights = halves_ptr + rows_n[:, None] * stride_hn + offs_c[None, :]
+    weights, block_halves = _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL and EARLY:
-        early = tl.load(weights + first * 32, mask=first < last, other=0)  # weights: no kernel of the chain writes them
+        early = tl.load(weights + first * block_halves, mask=first < last, other=0)  # weights: no kernel of the chain writes them
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
         if first < last:
             acc = _block_product(
@@ -172,7 +186,7 @@ def _pairs_mma_kernel(
         gdc_wait()
     for block in tl.range(first, last, num_stages=NUM_STAGES):
         acc = _block_product(
-            acc, tl.load(weights + block * 32), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
+            acc, tl.load(weights + block * block_halves), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
             group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
         )  # fmt: skip
     reduce_splits(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
@@ -206,14 +220,15 @@ def int4_mma(
     group_size: int,
     zero_offset: int,
     config: MmaConfig,
+    tiled: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ a pairs-layout INT4 weight (qweight int32 [N, K/8]) (+ bias) -> [M, N] in
-    x's dtype: bf16 and fp16 x meet weights of their own dtype on the tensor cores, fp32 x
-    fp32 weights. group_size: inputs per group (K: one)."""
+    """x [M, K] @ a pairs-layout INT4 weight (qweight int32 [N, K/8]; tiled: the tiles layout,
+    [N/16, K/128, 256]) (+ bias) -> [M, N] in x's dtype: bf16 and fp16 x meet weights of their
+    own dtype on the tensor cores, fp32 x fp32 weights. group_size: inputs per group (K: one)."""
     x = x.contiguous()
     m, k = x.shape
-    n, num_words = qweight.shape
-    assert num_words * 8 == k and k % PAIRS_BLOCK == 0, (x.shape, qweight.shape)
+    n, k_weight = pairs_shape(qweight)
+    assert k_weight == k and k % PAIRS_BLOCK == 0 and tiled == (qweight.dim() == 3), (x.shape, qweight.shape, tiled)
     assert group_size % 32 == 0 and (group_size % 128 == 0 or 128 % group_size == 0), group_size
     assert qweight.numel() < 2**31 and config.split_k * m * n < 2**31, "int32 offsets"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -224,11 +239,11 @@ def int4_mma(
     ptx = x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     _pairs_mma_kernel[grid](
         x, halves, qzeros, scales, bias if bias is not None else scales, workspace,
-        semaphores("int4_mma", x.device, grid[0] * grid[1]), y, m, n, k, x.stride(0), y.stride(0), halves.stride(0),
+        semaphores("int4_mma", x.device, grid[0] * grid[1]), y, m, n, k, x.stride(0), y.stride(0), k // 4 * (16 if tiled else 1),
         group_size, config.split_k,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16, PDL=use_pdl,
-        EARLY=config.early,
+        EARLY=config.early, TILED=tiled,
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
@@ -236,14 +251,16 @@ def int4_mma(
 
 @triton.jit
 def _dequant_pairs_kernel(
-    halves_ptr, qzeros_ptr, scales_ptr, out_ptr, N, stride_hn, group_size, ZERO_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr
+    halves_ptr, qzeros_ptr, scales_ptr, out_ptr, N, stride_hn, group_size, ZERO_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
     """out [K, N] = the weight of input block program_id(0), in out's dtype."""
     block = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.where(offs_n < N, offs_n, 0)
     offs_c = tl.arange(0, 32)
-    halves = tl.load(halves_ptr + rows_n[:, None] * stride_hn + block * 32 + offs_c[None, :])  # [BN, 32]
+    weights, block_halves = _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED)
+    halves = tl.load(weights + block * block_halves)  # [BN, 32]
     for p in tl.static_range(4):
         group = (block * 128 + 32 * p) // group_size
         scale = tl.load(scales_ptr + group * N + rows_n).to(tl.float32)
@@ -256,14 +273,15 @@ def _dequant_pairs_kernel(
 def dequantize_pairs(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, zero_offset: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The weight [K, N] in `dtype` (a temporary for prefill's cuBLAS matmul)."""
-    n, num_words = qweight.shape
-    k = num_words * 8
+    """The weight [K, N] in `dtype` (a temporary for prefill's cuBLAS matmul) of a pairs or
+    (3-d qweight) tiles layout."""
+    n, k = pairs_shape(qweight)
+    tiled = qweight.dim() == 3
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
-    halves = qweight.view(torch.int16)
     _dequant_pairs_kernel[(k // PAIRS_BLOCK, triton.cdiv(n, 64))](
-        halves, qzeros, scales, out, n, halves.stride(0), group_size, ZERO_OFFSET=zero_offset, BLOCK_N=64
-    )
+        qweight.view(torch.int16), qzeros, scales, out, n, k // 4 * (16 if tiled else 1), group_size,
+        ZERO_OFFSET=zero_offset, BLOCK_N=64, TILED=tiled,
+    )  # fmt: skip
     return out
 
 
@@ -276,25 +294,28 @@ def int4_gemm_pairs(
     zero_offset: int,
     num_sms: int = 132,
     silu_mul: bool = False,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ a pairs-layout INT4 weight -> [M, N] in x's dtype (semantics of
     kernels.int4_reference.int4_gemm on the same weight); group_size -1: one group. Up to
     DEQUANT_MIN_ROWS rows on the tensor cores here, above that cuBLAS on the dequantized weight.
     silu_mul: the weight is [gate | up], the result silu_and_mul of the product, [M, N / 2]
-    (one launch at one row: the GEMV applies it to its sums)."""
+    (one launch at one row: the GEMV applies it to its sums). tiled: qweight is in the tiles
+    layout (kernels/int4_rows.py), which the CUDA-core GEMV does not read: one row goes to the
+    MMA GEMV, or where that does not apply to the tl.dot kernel."""
     m, k = x.shape
-    n = qweight.shape[0]
+    n, _ = pairs_shape(qweight)
     group = k if group_size == -1 else group_size
     if silu_mul and (m != 1 or ONE_ROW_ON_TL_DOT or not SILU_MUL_GEMV):
         from kernels import silu_and_mul
 
-        return silu_and_mul(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms))
+        return silu_and_mul(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms, tiled=tiled))
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
     if m <= MMA_GEMV_MAX_ROWS and not (m == 1 and ONE_ROW_ON_TL_DOT) and mma_gemv.supported(x, group):
         mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
-        return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul)
-    if m == 1 and not ONE_ROW_ON_TL_DOT:
+        return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul, tiled)
+    if m == 1 and not ONE_ROW_ON_TL_DOT and not tiled:
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
-    return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms))
+    return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms), tiled)

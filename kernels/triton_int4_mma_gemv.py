@@ -1,7 +1,9 @@
 """The INT4 GEMV of decode (1 to 8 rows of x) on the tensor cores, through warp-level MMAs
-(mma.sync m16n8k16) written in PTX, on the pairs layout (kernels/int4_rows.py). Each lane
-loads from global memory exactly the words its MMA operand needs: no shared memory, no
-barrier in the loop.
+(mma.sync m16n8k16) written in PTX, on the pairs layout or its tiles ordering
+(kernels/int4_rows.py; `tiled`: the same words, so the same results bit for bit, but a
+warp's 16 rows x 128 inputs are 1 KB in one piece instead of 16 runs of 64 bytes K / 2 bytes
+apart). Each lane loads from global memory exactly the words its MMA operand needs: no
+shared memory, no barrier in the loop.
 
 The weight is the MMA's A operand (m16 x k16): lane (g, t) = (lane // 4, lane % 4) holds
 rows g and g + 8 of a 16-row tile at k-slots 2t, 2t + 1 (registers a0, a1) and 2t + 8,
@@ -47,7 +49,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from kernels import pdl
 from kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
-from kernels.int4_rows import ROW_BLOCK
+from kernels.int4_rows import ROW_BLOCK, pairs_shape
 from kernels.semaphores import semaphores, sum_splits
 from kernels.triton_int4_rows import split_steps
 from kernels.triton_linear import store_outputs
@@ -82,11 +84,12 @@ def _offset(qzeros_ptr, group, row, N, ZERO_OFFSET: tl.constexpr, FP16: tl.const
 
 @triton.jit
 def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N,
-                  GROUP_BLOCKS: tl.constexpr, UNROLL: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):  # fmt: skip
+                  GROUP_BLOCKS: tl.constexpr, UNROLL: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr,
+                  BLOCK_WORDS: tl.constexpr):  # fmt: skip
     """A step's weights: both rows' words, their -(OFFSET + zero) and scales."""
     group = (step * UNROLL + block) // GROUP_BLOCKS
     return (
-        tl.load(words_lo + step * 16 * UNROLL), tl.load(words_hi + step * 16 * UNROLL),
+        tl.load(words_lo + step * BLOCK_WORDS * UNROLL), tl.load(words_hi + step * BLOCK_WORDS * UNROLL),
         _offset(qzeros_ptr, group, row_lo, N, ZERO_OFFSET, FP16), _offset(qzeros_ptr, group, row_hi, N, ZERO_OFFSET, FP16),
         tl.load(scales_ptr + group * N + row_lo).to(tl.float32), tl.load(scales_ptr + group * N + row_hi).to(tl.float32),
     )  # fmt: skip
@@ -116,7 +119,7 @@ def _mma_gemv_kernel(
     M, N, K, stride_xm, stride_ym, stride_qn, split_k, GROUP_BLOCKS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
-    CONSTRAINTS: tl.constexpr,
+    CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -138,9 +141,15 @@ def _mma_gemv_kernel(
     j = (i // 32) % (TILES * WARPS) * 16 + g  # this lane's outputs: j (A's row g) and j + 8
     row_lo, _ = _weight_row(pid, j, N_OUT, HALF, SILU_MUL)
     row_hi, _ = _weight_row(pid, j + 8, N_OUT, HALF, SILU_MUL)
-    k_words = (block * 16 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
-    words_lo = qweight_ptr + row_lo[:, None] * stride_qn + k_words
-    words_hi = qweight_ptr + row_hi[:, None] * stride_qn + k_words
+    BLOCK_WORDS: tl.constexpr = 256 if TILED else 16  # a block's words for one lane's step
+    if TILED:  # [N / 16, K / 128, 32 lanes, 8 words]: a warp's block is 1 KB in one piece
+        lane_words = (row_lo // 16) * (2 * K) + block * 256 + ((row_lo % 16) * 4 + t) * 8
+        words_lo = qweight_ptr + lane_words[:, None] + tl.arange(0, 4)[None, :]
+        words_hi = words_lo + 4
+    else:
+        k_words = (block * 16 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
+        words_lo = qweight_ptr + row_lo[:, None] * stride_qn + k_words
+        words_hi = qweight_ptr + row_hi[:, None] * stride_qn + k_words
     x_pairs = x_ptr.to(tl.pointer_type(tl.uint32)) + (block * 64 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
     if MULTI:  # B's column g is x's row g (rows past M repeat the last; their sums are not stored)
         x_pairs += (tl.minimum(g, M - 1) * (stride_xm // 2))[:, None]
@@ -157,7 +166,7 @@ def _mma_gemv_kernel(
     # first step's weights are read before waiting for x (kernels/pdl.py).
     lo, hi, off_lo, off_hi, s_lo, s_hi = _load_weights(
         tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
-        UNROLL, ZERO_OFFSET, FP16,
+        UNROLL, ZERO_OFFSET, FP16, BLOCK_WORDS,
     )  # fmt: skip
     if PDL:
         gdc_wait()
@@ -166,7 +175,7 @@ def _mma_gemv_kernel(
         ahead = tl.minimum(step + 1, last - 1)
         n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
             ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
-            UNROLL, ZERO_OFFSET, FP16,
+            UNROLL, ZERO_OFFSET, FP16, BLOCK_WORDS,
         )  # fmt: skip
         n_xa, n_xb, n_xc, n_xd = _load_x(ahead, x_pairs, UNROLL)
         acc0, acc1, acc2, acc3 = mma_block(
@@ -231,19 +240,21 @@ def gemv_pairs_mma(
     zero_offset: int,
     config: MmaGemvConfig,
     silu_mul: bool = False,
+    tiled: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, bf16 or fp16) @ a pairs-layout INT4 weight (qweight [N, K/8])
-    -> [M, N] in x's dtype; group_size: inputs per group, a multiple of 128 (K for one
+    """x [M, K] (M <= MAX_ROWS, bf16 or fp16) @ a pairs-layout INT4 weight (qweight [N, K/8];
+    tiled: the tiles layout [N/16, K/128, 256], kernels/int4_rows.py) -> [M, N] in x's dtype; group_size: inputs per group, a multiple of 128 (K for one
     group). silu_mul (one row): the weight is [gate | up] and the result silu(gate) * up,
     [1, N / 2], rounded as `silu_and_mul` of the plain result."""
     x = x.contiguous()
     m = x.shape[0]
-    n, num_words = qweight.shape
-    k = num_words * 8
+    n, k = pairs_shape(qweight)
     assert supported(x, group_size) and x.shape[1] == k, (x.shape, x.dtype, qweight.shape, group_size)
+    assert tiled == (qweight.dim() == 3), f"qweight {tuple(qweight.shape)} is not in the {'tiles' if tiled else 'pairs'} layout"
     assert k % (ROW_BLOCK * config.unroll) == 0 and qweight.numel() < 2**31, (qweight.shape, config)
     assert not silu_mul or (n % 2 == 0 and m == 1), f"{m} x {n}: SiLU-and-mul takes one row of [gate | up]"
     n_out = n // 2 if silu_mul else n
+    assert not tiled or n_out % 16 == 0, f"tiles of 16 outputs: {n_out} outputs (gate's, with SiLU-and-mul)"
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     num_blocks_n = triton.cdiv(n_out, config.block_n // 2 if silu_mul else config.block_n)
     workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
@@ -256,6 +267,6 @@ def gemv_pairs_mma(
         GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
-        num_warps=config.num_warps, launch_pdl=use_pdl,
+        TILED=tiled, num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

@@ -13,10 +13,12 @@ dim, sequential zeros, zero offset 0: GPTQ v2), which dequantizes to the same we
 AWQ's packing along the output dim with an interleave costs its kernels a per-element
 shuffle, and was 1.4x slower than GPTQ's at batch 1 on the H200 (docs/benchmarks.md).
 Then, without act-order and where the shapes allow (kernels/int4_rows.py), GPTQ's qweight
-is repacked once more, into the pairs layout (each output's inputs contiguous, adjacent
-inputs in the two halves of a word: the batch-1 GEMV streams it, and 2-128 rows of x run
-on the tensor cores, kernels/triton_int4_mma.py), or the rows layout where groups of 16
-inputs rule pairs out or `int4_rows.DECODE_LAYOUT` asks for it; zeros and scales keep
+is repacked once more, into the tiles layout (the pairs layout's words in the order the
+batch-1 MMA GEMV's lanes read them, a warp's block 1 KB in one piece: 1 to 128 rows of x
+run on the tensor cores, kernels/triton_int4_mma.py), the pairs layout (each output's
+inputs contiguous, adjacent inputs in the two halves of a word) where groups smaller than
+128 inputs or parts of outputs not a multiple of 16 rule tiles out, or the rows layout
+where groups of 16 inputs rule pairs out; `int4_rows.DECODE_LAYOUT` picks another; zeros and scales keep
 GPTQ's layout. The repacks are exact, and loading ends with them: load_shard refuses
 tensors afterwards.
 """
@@ -34,7 +36,14 @@ from engine.errors import ModelLoadError
 from engine.quantization.int4_pack import PACK, pack_cols, pack_rows
 from kernels import int4_rows
 from kernels.int4_reference import group_index, unpack_cols
-from kernels.int4_rows import gptq_to_pairs, gptq_to_rows, pairs_layout_fits, rows_layout_fits
+from kernels.int4_rows import (
+    gptq_to_pairs,
+    gptq_to_rows,
+    pairs_layout_fits,
+    pairs_to_tiles,
+    rows_layout_fits,
+    tiles_layout_fits,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +94,7 @@ class Int4Spec:
 class Int4Linear(nn.Module):
     """x [T, in_features] -> [T, out_features] through INT4 weights of one format."""
 
-    qweight: torch.Tensor  # int32, GPTQ [K/8, N], AWQ [K, N/8], pairs or rows [N, K/8] (after loading)
+    qweight: torch.Tensor  # int32, GPTQ [K/8, N], AWQ [K, N/8], pairs or rows [N, K/8], tiles [N/16, K/128, 256]
     qzeros: torch.Tensor  # int32 [G, N/8]
     scales: torch.Tensor  # fp16 [G, N]
     g_idx: torch.Tensor  # int32 [K] (GPTQ only)
@@ -110,7 +119,7 @@ class Int4Linear(nn.Module):
         # act_order: g_idx is not groups of consecutive inputs, so the kernel gathers by it.
         self.act_order = False
         # The layout the tensors are in now: the checkpoint's, until finish_loading repacks
-        # AWQ as GPTQ and GPTQ as pairs or rows (see the module docstring).
+        # AWQ as GPTQ and GPTQ as tiles, pairs or rows (see the module docstring).
         self.layout = spec.method
         self._loaded: set[tuple[str, int]] = set()  # (tensor, part) pairs seen by load_shard
         shapes = spec.shapes(in_features, self.out_features)
@@ -210,13 +219,18 @@ class Int4Linear(nn.Module):
 
     @torch.no_grad()
     def _repack_gptq_for_decode(self) -> None:
-        """GPTQ qweight [K/8, N] -> pairs (or rows) qweight [N, K/8] (kernels/int4_rows.py):
-        the same 4-bit values; zeros, scales and zero offset unchanged. Pairs where the
-        layout fits and int4_rows.DECODE_LAYOUT asks for it, else rows where that fits."""
+        """GPTQ qweight [K/8, N] -> tiles [N/16, K/128, 256], pairs or rows [N, K/8]
+        (kernels/int4_rows.py): the same 4-bit values; zeros, scales and zero offset
+        unchanged. int4_rows.DECODE_LAYOUT where it fits, else the next of tiles, pairs,
+        rows that fits."""
         if self.layout != "gptq" or self.act_order:
             return
         group_size = self.spec.group_size
-        if int4_rows.DECODE_LAYOUT == "pairs" and pairs_layout_fits(self.in_features, group_size):
+        wanted = int4_rows.DECODE_LAYOUT
+        if wanted == "tiles" and tiles_layout_fits(self.in_features, self.output_sizes, group_size):
+            self.qweight = pairs_to_tiles(gptq_to_pairs(self.qweight))
+            self.layout = "tiles"
+        elif wanted in ("tiles", "pairs") and pairs_layout_fits(self.in_features, group_size):
             self.qweight = gptq_to_pairs(self.qweight)
             self.layout = "pairs"
         elif rows_layout_fits(self.in_features, group_size):

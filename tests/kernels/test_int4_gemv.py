@@ -205,6 +205,24 @@ def test_loaded_layers_are_repacked_for_decode(spec: Int4Spec, layout: str, monk
         layer.load_shard("scales", torch.zeros(4, 16, dtype=torch.float16), 0)
 
 
+@pytest.mark.parametrize(
+    ("spec", "output_sizes", "layout"),
+    [
+        (Int4Spec("gptq", 128, 1), [16, 16, 32], "tiles"),
+        (Int4Spec("gptq", -1, 0), [32], "tiles"),
+        (Int4Spec("awq", 128, 0), [64], "tiles"),
+        (Int4Spec("gptq", 64, 1), [16, 16, 32], "pairs"),  # groups of half a block: one zero a block does not hold
+        (Int4Spec("gptq", 128, 1), [16, 8, 8], "pairs"),  # parts of half a tile
+    ],
+)
+def test_tiles_where_they_fit_else_pairs(spec: Int4Spec, output_sizes: list[int], layout: str) -> None:
+    assert int4_rows.DECODE_LAYOUT == "tiles"
+    layer, _ = loaded_layer(spec, 256, output_sizes)  # checks the layer against the reference
+    assert layer.layout == layout
+    n = sum(output_sizes)
+    assert tuple(layer.qweight.shape) == ((n // 16, 2, 256) if layout == "tiles" else (n, 32))
+
+
 def test_act_order_and_odd_shapes_keep_gptq() -> None:
     layer, _ = loaded_layer(Int4Spec("gptq", 64, 1), 256, [16], act_order=True)
     assert layer.act_order and layer.layout == "gptq"
@@ -218,17 +236,20 @@ def test_groups_of_16_fall_back_to_rows(monkeypatch: pytest.MonkeyPatch) -> None
     assert layer.layout == "rows"
 
 
-@pytest.mark.parametrize("layout", ["rows", "pairs"])
+@pytest.mark.parametrize("layout", ["rows", "pairs", "tiles"])
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_dummy_weights_are_repacked_for_decode(method: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int4_rows, "DECODE_LAYOUT", layout)
     spec = Int4Spec(method, 128, 1 if method == "gptq" else 0)
-    layer = Int4Linear(spec, 256, [24], bias=False, dtype=torch.float32, device=torch.device("cpu"))
+    layer = Int4Linear(spec, 256, [32], bias=False, dtype=torch.float32, device=torch.device("cpu"))
     layer.init_dummy(torch.Generator().manual_seed(8))
     assert layer.layout == layout
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(9))
-    unpack = int4_rows.unpack_rows_layout if layout == "rows" else int4_rows.unpack_pairs_layout
-    gptq = pack_rows(unpack(layer.qweight))
+    if layout == "rows":
+        gptq = pack_rows(int4_rows.unpack_rows_layout(layer.qweight))
+    else:
+        pairs = int4_rows.tiles_to_pairs(layer.qweight) if layout == "tiles" else layer.qweight
+        gptq = pack_rows(int4_rows.unpack_pairs_layout(pairs))
     expected = int4_reference.int4_gemm(x, gptq, layer.qzeros, layer.scales, None, 128, "gptq", spec.zero_offset)
     assert torch.equal(layer(x), expected)
 

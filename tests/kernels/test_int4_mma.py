@@ -1,4 +1,4 @@
-"""The pairs INT4 layout (kernels/int4_rows.py) and its tensor-core kernel
+"""The pairs and tiles INT4 layouts (kernels/int4_rows.py) and their tensor-core kernel
 (kernels/triton_int4_mma.py) against the GPTQ reference (kernels/int4_reference.py).
 
 Without a GPU: the Triton interpreter (the plain-op weight conversion), tiny shapes.
@@ -19,7 +19,14 @@ import torch
 
 import kernels
 from kernels import int4_reference
-from kernels.int4_rows import gptq_to_pairs, pairs_layout_fits, unpack_pairs_layout
+from kernels.int4_rows import (
+    gptq_to_pairs,
+    pairs_layout_fits,
+    pairs_to_tiles,
+    tiles_layout_fits,
+    tiles_to_pairs,
+    unpack_pairs_layout,
+)
 from kernels.triton_int4_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
 from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows
 from tests.kernels.test_int4_gemv import (
@@ -50,6 +57,28 @@ def test_pairs_repack_is_exact_and_places_each_input() -> None:
         assert (half >> (4 * p)) & 0xF == int(q[128 * block + 32 * p + c, out])
 
 
+def test_tiles_hold_each_lanes_words_in_one_piece() -> None:
+    # Tile r, block b, lane (g, t): pairs words 16 b + 4 t .. + 3 of outputs 16 r + g, then + 8.
+    k, n = 256, 32
+    t = {name: tensor.cpu() for name, tensor in gptq_tensors(k, n, 128, 1).items()}
+    pairs = gptq_to_pairs(t["qweight"])
+    tiles = pairs_to_tiles(pairs)
+    assert tiles.shape == (n // 16, k // 128, 256) and torch.equal(tiles_to_pairs(tiles), pairs)
+    for r, b, g, lane_t in [(0, 0, 0, 0), (1, 1, 7, 3), (1, 0, 2, 1), (0, 1, 5, 2)]:
+        lane = tiles[r, b, 8 * (4 * g + lane_t) : 8 * (4 * g + lane_t) + 8]
+        words = slice(16 * b + 4 * lane_t, 16 * b + 4 * lane_t + 4)
+        assert torch.equal(lane, torch.cat([pairs[16 * r + g, words], pairs[16 * r + g + 8, words]]))
+    dequantized = int4_reference.dequantize(tiles, t["qzeros"], t["scales"], None, 128, "tiles", 1)
+    assert torch.equal(dequantized, int4_reference.dequantize(t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1))
+
+
+def test_tiles_layout_fits() -> None:
+    assert tiles_layout_fits(4096, [4096, 1024, 1024], 128) and tiles_layout_fits(512, [48], 256)
+    assert tiles_layout_fits(256, [16], -1)
+    assert not tiles_layout_fits(4096, [4096, 1032, 1032], 128)  # parts of whole tiles (SiLU reads up as tiles)
+    assert not tiles_layout_fits(4096, [4096], 64) and not tiles_layout_fits(192, [64], -1)
+
+
 CONFIGS = [
     MmaConfig(16, 16, 1),
     MmaConfig(32, 16, 3, num_warps=1, num_stages=2),
@@ -60,13 +89,15 @@ CONFIGS = [
 @pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split3", "split2-early"])
 @pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (256, 1)], ids=["g32", "g128", "g256"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int) -> None:
-    # N = 40: a ragged last block of outputs; K = 512: 4 blocks, split 3 ways unevenly.
-    k, n = 512, 40
+@pytest.mark.parametrize("tiled", [False, True], ids=["pairs", "tiles"])
+def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int, tiled: bool) -> None:
+    # N = 40 (pairs) or 48 (tiles of 16): a ragged last block of outputs; K = 512: 4 blocks, split 3 ways unevenly.
+    k, n = 512, 48 if tiled else 40
     t = gptq_tensors(k, n, group_size, zero_offset)
     x = randn(m, k, dtype=torch.bfloat16, seed=2)
     bias = randn(n, dtype=torch.bfloat16, seed=3)
-    actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], bias, group_size, zero_offset, config)
+    weight = pairs_to_tiles(gptq_to_pairs(t["qweight"])) if tiled else gptq_to_pairs(t["qweight"])
+    actual = int4_mma(x, weight, t["qzeros"], t["scales"], bias, group_size, zero_offset, config, tiled)
     expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(torch.bfloat16)
     assert actual.dtype == torch.bfloat16 and actual.shape == (m, n)
     torch.testing.assert_close(actual, expected, atol=TOLERANCE, rtol=TOLERANCE)
@@ -105,19 +136,23 @@ def test_pairs_layout_fits() -> None:
     assert not pairs_layout_fits(96, 32) and not pairs_layout_fits(384, 96)
 
 
-@pytest.mark.parametrize("group_size", [64, 256])
-def test_dequantize_pairs(group_size: int) -> None:
-    t = gptq_tensors(512, 40, group_size, 1)
-    weight = dequantize_pairs(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], group_size, 1, torch.float32)
+@pytest.mark.parametrize(("group_size", "tiled"), [(64, False), (256, False), (128, True), (256, True)])
+def test_dequantize_pairs(group_size: int, tiled: bool) -> None:
+    t = gptq_tensors(512, 48, group_size, 1)
+    pairs = gptq_to_pairs(t["qweight"])
+    weight = dequantize_pairs(pairs_to_tiles(pairs) if tiled else pairs, t["qzeros"], t["scales"], group_size, 1, torch.float32)
     expected = int4_reference.dequantize(t["qweight"], t["qzeros"], t["scales"], None, group_size, "gptq", 1)
     torch.testing.assert_close(weight, expected, atol=0, rtol=0)
 
 
-def test_dispatch_pairs_on_cpu_is_the_reference() -> None:
-    k, n = 256, 24
+@pytest.mark.parametrize("layout", ["pairs", "tiles"])
+def test_dispatch_on_cpu_is_the_reference(layout: str) -> None:
+    k, n = 256, 32
     t = {name: tensor.cpu() for name, tensor in gptq_tensors(k, n, 128, 1).items()}
     x = torch.randn(3, k)
-    actual = kernels.int4_gemm(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    weight = gptq_to_pairs(t["qweight"])
+    weight = pairs_to_tiles(weight) if layout == "tiles" else weight
+    actual = kernels.int4_gemm(x, weight, t["qzeros"], t["scales"], None, 128, layout, 1)
     expected = int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
@@ -126,11 +161,14 @@ def test_dispatch_pairs_on_cpu_is_the_reference() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("k", "n"), [(4096, 6144), (14336, 4096)])
 @pytest.mark.parametrize("m", [1, 4, 16, 64, 200])
-def test_int4_mma_llama_shapes(k: int, n: int, m: int, dtype: torch.dtype) -> None:
-    # Through the dispatch: tensor cores up to 128 rows, then cuBLAS on the dequantized weight.
+@pytest.mark.parametrize("layout", ["pairs", "tiles"])
+def test_int4_mma_llama_shapes(k: int, n: int, m: int, dtype: torch.dtype, layout: str) -> None:
+    # Through the dispatch: the MMA GEMV up to 8 rows, tl.dot up to 128, then cuBLAS on the dequantized weight.
     t = gptq_tensors(k, n, 128, 1)
     x = randn(m, k, dtype=dtype, seed=6)
-    actual = kernels.int4_gemm(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1).float()
+    weight = gptq_to_pairs(t["qweight"])
+    weight = pairs_to_tiles(weight) if layout == "tiles" else weight
+    actual = kernels.int4_gemm(x, weight, t["qzeros"], t["scales"], None, 128, layout, 1).float()
     expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
     assert float((actual - expected).norm() / expected.norm()) < 4e-3
 
@@ -139,19 +177,22 @@ def test_int4_mma_llama_shapes(k: int, n: int, m: int, dtype: torch.dtype) -> No
 @pytest.mark.parametrize(
     "config", [MmaConfig(64, 16, 5, num_warps=1), MmaConfig(128, 16, 3, num_warps=4, early=True), None]
 )
-def test_int4_mma_other_configs_on_gpu(config: MmaConfig | None) -> None:
+@pytest.mark.parametrize("layout", ["pairs", "tiles"])
+def test_int4_mma_other_configs_on_gpu(config: MmaConfig | None, layout: str) -> None:
     # None: one row on the tl.dot kernel through the dispatch (ONE_ROW_ON_TL_DOT).
     k, n = 4096, 4096
     t = gptq_tensors(k, n, 128, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=8)
+    weight = gptq_to_pairs(t["qweight"])
+    weight = pairs_to_tiles(weight) if layout == "tiles" else weight
     if config is None:
         from kernels import triton_int4_mma
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(triton_int4_mma, "ONE_ROW_ON_TL_DOT", True)
-            actual = kernels.int4_gemm(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1).float()
+            actual = kernels.int4_gemm(x, weight, t["qzeros"], t["scales"], None, 128, layout, 1).float()
     else:
-        actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, config).float()
+        actual = int4_mma(x, weight, t["qzeros"], t["scales"], None, 128, 1, config, layout == "tiles").float()
     expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
     assert float((actual - expected).norm() / expected.norm()) < 4e-3
 

@@ -25,7 +25,7 @@ import torch
 import kernels
 from kernels import int4_reference, triton_int4_mma
 from kernels.int4_mma_ptx import ASM
-from kernels.int4_rows import gptq_to_pairs, unpack_pairs_layout
+from kernels.int4_rows import gptq_to_pairs, pairs_to_tiles, unpack_pairs_layout
 from kernels.triton_int4_mma_gemv import (
     MmaGemvConfig,
     gemv_pairs_mma,
@@ -44,7 +44,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import main_loop
 from kernels import int4_mma_ptx, triton_int4_mma_gemv as m
-tiles, unroll, warps, fp16, silu, multi = (int(a) for a in sys.argv[1:7])
+tiles, unroll, warps, fp16, silu, multi, tiled = (int(a) for a in sys.argv[1:8])
 dtype = "*fp16" if fp16 else "*bf16"
 signature = {
     "x_ptr": dtype, "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": dtype, "ws_ptr": "*fp32",
@@ -54,6 +54,7 @@ signature = {
 constexprs = dict(
     GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
     MULTI=bool(multi), ASM=int4_mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[bool(multi)],
+    TILED=bool(tiled),
 )
 names = list(signature) + list(constexprs)
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M")}
@@ -76,16 +77,18 @@ print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code)}
 
 
 @pytest.mark.parametrize(
-    ("tiles", "unroll", "warps", "fp16", "silu", "multi"),
-    [(1, 2, 4, 0, 0, 0), (2, 1, 2, 1, 0, 0), (1, 1, 8, 0, 1, 0), (1, 2, 4, 0, 0, 1)],
-    ids=["default", "two-tiles-fp16", "eight-warps-silu", "rows"],
+    ("tiles", "unroll", "warps", "fp16", "silu", "multi", "tiled"),
+    [(1, 2, 4, 0, 0, 0, 0), (2, 1, 2, 1, 0, 0, 0), (1, 1, 8, 0, 1, 0, 0), (1, 2, 4, 0, 0, 1, 0), (1, 2, 4, 0, 1, 0, 1)],
+    ids=["default", "two-tiles-fp16", "eight-warps-silu", "rows", "tiles-layout-silu"],
 )
-def test_sm90_operands_sit_in_their_lanes(tiles: int, unroll: int, warps: int, fp16: int, silu: int, multi: int) -> None:
+def test_sm90_operands_sit_in_their_lanes(
+    tiles: int, unroll: int, warps: int, fp16: int, silu: int, multi: int, tiled: int
+) -> None:  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root)
     out = subprocess.run(
-        [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu, multi))],
+        [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu, multi, tiled))],
         env=env, cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -99,6 +102,7 @@ def test_sm90_operands_sit_in_their_lanes(tiles: int, unroll: int, warps: int, f
     kind = "HMMA.16816.F32" if fp16 else "HMMA.16816.F32.BF16"
     assert loop[kind] == 16 * tiles * unroll  # per 16-row tile and block: 8 weight MMAs, 8 sums of x
     assert not any(op.startswith(("BAR", "LDS", "STS", "LDGSTS")) for op in loop), loop
+    assert loop["LDG.E.128.CONSTANT" if "LDG.E.128.CONSTANT" in loop else "LDG.E.128"] >= 2 * tiles * unroll, loop  # 16-byte weight loads
 
 
 def test_supported_is_up_to_8_16_bit_rows_on_a_gpu_with_groups_of_128() -> None:
@@ -212,6 +216,29 @@ def test_cuda_rows_of_x_are_the_mma_columns(m: int, config: MmaGemvConfig | None
     expected = reference(x, t, 128, 1)
     for row in range(m):  # each row as good as alone: its own column of the MMA
         assert relative_error(y[row : row + 1], expected[row : row + 1]) < BOUNDS[torch.bfloat16], row
+
+
+@cuda_only
+@pytest.mark.parametrize(("m", "silu_mul"), [(1, False), (1, True), (3, False), (8, False)])
+@pytest.mark.parametrize(
+    "config", [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 2, 1, 4)], ids=["default", "split3", "two-tiles"]
+)
+def test_cuda_tiles_layout_equals_pairs_bit_for_bit(m: int, silu_mul: bool, config: MmaGemvConfig | None) -> None:
+    # The same words through the same MMAs in the same order: only the addresses differ.
+    k, n = 1024, 2 * 336
+    t = gptq_tensors(k, n, 128, 1)
+    x = randn(m, k, dtype=torch.bfloat16, seed=12)
+    config = config or pick_mma_gemv_config(n, k, 132)
+    pairs = gptq_to_pairs(t["qweight"])
+    y = gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, config, silu_mul)
+    tiled = gemv_pairs_mma(x, pairs_to_tiles(pairs), t["qzeros"], t["scales"], 128, 1, config, silu_mul, tiled=True)
+    assert torch.equal(tiled, y)
+    via_dispatch = kernels.int4_gemm(x, pairs_to_tiles(pairs), t["qzeros"], t["scales"], None, 128, "tiles", 1, silu_mul)
+    assert torch.equal(via_dispatch, gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1,
+                                                    pick_mma_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count),
+                                                    silu_mul))  # fmt: skip
+    with pytest.raises(AssertionError, match="tiles layout"):
+        gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, config, tiled=True)
 
 
 @cuda_only
