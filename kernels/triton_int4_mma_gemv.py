@@ -16,14 +16,20 @@ p of words 4t + 2h (a0, a1) and 4t + 2h + 1 (a2, a3), so its k-slot 2t + e is in
 block that B (x in all 8 columns) follows, b0 and b1 being x's 32-bit pairs 16p + 4t + 2h
 and + 1 (adjacent: one 16-byte load of x gives both MMAs of a p their B).
 
-The offset is not subtracted per weight: a second MMA chain with A = ones sums x over the
-block (X), and per block and row the fp32 sum becomes sum_k (q_k - zero) x_k = D -
-(OFFSET + zero) X, times the group's scale, into the accumulator. Products are exact and
+The offset is not subtracted per weight: an MMA with A = ones sums x over the block (X),
+and per block and row the fp32 sum becomes sum_k (q_k - zero) x_k = D -
+(OFFSET + zero) X, times the group's scale, into the accumulator. At one row that is one MMA
+a block: its B's column g holds 16 other inputs of the block (the lane's `x_share`, two
+pairs it loads besides its operand pairs), and two butterfly shuffles add D's 8 columns
+(kernels/int4_mma_ptx.py; 8 MMAs a block fewer than a chain over the operands' B, gate_up
+22.83 -> 21.91 us, docs/benchmarks.md session 15); with M rows a chain of 8 over the same B
+as the weights, each column summing its row of x. Products are exact and
 sums fp32 in the MMA; the subtraction cancels about OFFSET X, so a block's fp32 roundings
 are relative to (OFFSET + 15) sum |x| (2^-24 each): for bf16 (128) far below the output's
 rounding, for fp16 (1024) about as large as fp16's (tests bound both). In bf16, half the
 error of the x2 arithmetic GEMV (kernels/triton_int4_rows.py), whose four-term sums round
-to bf16. Per lane and block: 8 words, 32 LOP3, 24 shifts, 16 MMAs (8 weight, 8 sum), 4 FMAs.
+to bf16. Per lane and block: 8 words, 32 LOP3, 24 shifts, 8 weight MMAs, 1 sum MMA with 2
+shuffles and 3 adds (M rows: 8 sum MMAs), 4 FMAs (8 with M rows).
 
 At one row every column of B is x, so every column of D is x . w: lane (g, t) reads
 outputs g and g + 8 from d0 and d2. With M rows (MULTI, up to 8) B's column n is x's row n
@@ -96,10 +102,13 @@ def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_
 
 
 @triton.jit
-def _load_x(step, x_pairs, UNROLL: tl.constexpr):
-    """A step's x: pairs 16p + 4t + c of each block, p = 0..3 ([T, 4] each)."""
+def _load_x(step, x_pairs, x_share, UNROLL: tl.constexpr, MULTI: tl.constexpr):
+    """A step's x: pairs 16p + 4t + c of each block, p = 0..3 ([T, 4] each), and at one row
+    the lane's share of the block sum ([T, 2]; with MULTI a placeholder, unread)."""
     xk = x_pairs + step * 64 * UNROLL
-    return tl.load(xk), tl.load(xk + 16), tl.load(xk + 32), tl.load(xk + 48)
+    xa = tl.load(xk)
+    share = xa if MULTI else tl.load(x_share + step * 64 * UNROLL)
+    return xa, tl.load(xk + 16), tl.load(xk + 32), tl.load(xk + 48), share
 
 
 @triton.jit
@@ -153,6 +162,9 @@ def _mma_gemv_kernel(
     x_pairs = x_ptr.to(tl.pointer_type(tl.uint32)) + (block * 64 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
     if MULTI:  # B's column g is x's row g (rows past M repeat the last; their sums are not stored)
         x_pairs += (tl.minimum(g, M - 1) * (stride_xm // 2))[:, None]
+    # one row: pairs 16 (g // 2) + 4t + 2 (g % 2) and + 1, the lane's share of the block sum
+    share_pairs = block * 64 + 16 * (g // 2) + 4 * t + 2 * (g % 2)
+    x_share = x_ptr.to(tl.pointer_type(tl.uint32)) + share_pairs[:, None] + tl.arange(0, 2)[None, :]
     num_steps = K // (128 * UNROLL)
     per_split = tl.cdiv(num_steps, split_k)
     first = tl.program_id(2) * per_split
@@ -170,19 +182,19 @@ def _mma_gemv_kernel(
     )  # fmt: skip
     if PDL:
         gdc_wait()
-    xa, xb, xc, xd = _load_x(tl.minimum(first, last - 1), x_pairs, UNROLL)
+    xa, xb, xc, xd, xs = _load_x(tl.minimum(first, last - 1), x_pairs, x_share, UNROLL, MULTI)
     for step in tl.range(first, last, num_stages=1):
         ahead = tl.minimum(step + 1, last - 1)
         n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
             ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
             UNROLL, ZERO_OFFSET, FP16, BLOCK_WORDS,
         )  # fmt: skip
-        n_xa, n_xb, n_xc, n_xd = _load_x(ahead, x_pairs, UNROLL)
+        n_xa, n_xb, n_xc, n_xd, n_xs = _load_x(ahead, x_pairs, x_share, UNROLL, MULTI)
         acc0, acc1, acc2, acc3 = mma_block(
-            lo, hi, off_lo, off_hi, xa, xb, xc, xd, s_lo, s_hi, acc0, acc1, acc2, acc3, ASM, CONSTRAINTS, MULTI
+            lo, hi, off_lo, off_hi, xa, xb, xc, xd, xs, s_lo, s_hi, acc0, acc1, acc2, acc3, ASM, CONSTRAINTS, MULTI
         )
         lo, hi, off_lo, off_hi, s_lo, s_hi = n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi
-        xa, xb, xc, xd = n_xa, n_xb, n_xc, n_xd
+        xa, xb, xc, xd, xs = n_xa, n_xb, n_xc, n_xd, n_xs
     rows, valid = _weight_row(pid, tl.arange(0, BLOCK_N), N_OUT, HALF, SILU_MUL)
     out_rows = tl.where(valid, rows, N)
     if MULTI:

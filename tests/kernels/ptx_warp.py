@@ -9,7 +9,7 @@ and B and fp32 C/D, lane = 4 g + t:
     C, D (16 x 8):     c0 (g, 2t)  c1 (g, 2t+1)  c2 (g+8, 2t)  c3 (g+8, 2t+1)
 
 a 32-bit register holding two 16-bit values, the lower index in the low half. Only what
-that assembly uses is implemented; anything else raises.
+that assembly uses is implemented (and the butterfly shuffle of all 32 lanes); anything else raises.
 """
 
 from __future__ import annotations
@@ -98,6 +98,10 @@ def run(asm: str, inputs: list[np.ndarray], num_outputs: int) -> list[np.ndarray
             regs[args[0]] = value(args[1]) >> value(args[2])
         elif op == "fma.rn.f32":
             regs[args[0]] = _bits(_f32(value(args[1])) * _f32(value(args[2])) + _f32(value(args[3])))
+        elif op == "add.f32":
+            regs[args[0]] = _bits(_f32(value(args[1])) + _f32(value(args[2])))
+        elif op == "shfl.sync.bfly.b32" and args[3:] == ["0x1f", "0xffffffff"]:  # every lane, the whole warp
+            regs[args[0]] = value(args[1])[np.arange(LANES) ^ int(args[2])]
         else:
             raise NotImplementedError(statement)
     return [regs[f"${i}"] for i in range(num_outputs)]

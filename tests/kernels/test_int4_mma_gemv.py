@@ -100,7 +100,9 @@ def test_sm90_operands_sit_in_their_lanes(
     ]
     loop = result["loop"]
     kind = "HMMA.16816.F32" if fp16 else "HMMA.16816.F32.BF16"
-    assert loop[kind] == 16 * tiles * unroll  # per 16-row tile and block: 8 weight MMAs, 8 sums of x
+    # per 16-row tile and block: 8 weight MMAs, and the sums of x: one MMA at one row, 8 for M rows
+    assert loop[kind] == (16 if multi else 9) * tiles * unroll
+    assert loop.get("SHFL.BFLY", 0) == (0 if multi else 2 * tiles * unroll), loop
     assert not any(op.startswith(("BAR", "LDS", "STS", "LDGSTS")) for op in loop), loop
     assert loop["LDG.E.128.CONSTANT" if "LDG.E.128.CONSTANT" in loop else "LDG.E.128"] >= 2 * tiles * unroll, loop  # 16-byte weight loads
 
@@ -294,6 +296,8 @@ def warp_block(t: dict[str, torch.Tensor], x: torch.Tensor, tile: int, block: in
     inputs += [(-((1024.0 if fp16 else 128.0) + z)).astype(np.float32).view(np.uint32) for z in zeros]
     x_row = np.minimum(g, x.shape[0] - 1) if multi else np.zeros_like(g)
     inputs += [x_pairs[x_row, block * 64 + 16 * p + 4 * lane_t + c] for p in range(4) for c in range(4)]
+    if not multi:  # the lane's share of the block sum
+        inputs += [x_pairs[0, block * 64 + 16 * (g // 2) + 4 * lane_t + 2 * (g % 2) + c] for c in range(2)]
     inputs += [scales[group, row].astype(np.float32).view(np.uint32) for row in rows]
     outs = [(row, x_col) for row in rows for x_col in ((2 * lane_t, 2 * lane_t + 1) if multi else (x_row,))]
     inputs += [np.zeros(32, dtype=np.uint32) for _ in outs]
