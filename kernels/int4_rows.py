@@ -14,8 +14,9 @@ reordering of the second's words:
            at words 8 l .. 8 l + 7 = pairs words 16 b + 4 t .. + 3 of output 16 r + g, then
            of output 16 r + g + 8. A warp's block is then 1 KB in one piece, and a tile's
            weight one run of 16 K / 2 bytes (the pairs layout has 16 runs of 64 bytes per
-           block, 2 KB apart at K = 4096): the MMA GEMV 0.91x its time on the pairs layout
-           on llama-3.1-8b's gate_up, 0.94x over a layer (docs/benchmarks.md, session 15).
+           block, 2 KB apart at K = 4096): the MMA GEMV 0.91-0.96x its time on the pairs
+           layout on llama-3.1-8b's gate_up, 0.94-0.97x over a layer, batch-1 decode 2.110
+           -> 2.044 ms (docs/benchmarks.md, session 15).
 
 kernels/triton_int4_rows.py reads rows and pairs at one row of x (its `pairs` flag),
 kernels/triton_int4_rows_dot.py "rows" at 2..128 rows; kernels/triton_int4_mma.py and the MMA
