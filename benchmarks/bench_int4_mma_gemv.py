@@ -7,6 +7,10 @@ against the tl.dot tensor-core kernel (kernels/triton_int4_mma.py), and a sweep 
 GEMV's configs at one row.
 
     PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head] [--rows 2,4,8]
+        [--layout tiles|pairs]
+
+The MMA kernels read `--layout` (tiles, decode's, by default; kernels/int4_rows.py), the x2
+GEMV the pairs layout it reads.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from benchmarks.bench_gemv import copy_bandwidth
 from benchmarks.bench_int4_gemv import GROUP, packed_set, timed
 from benchmarks.bench_int4_gemv import SHAPES as BENCH_SHAPES
 from kernels import int4_reference, silu_and_mul
+from kernels.int4_rows import pairs_to_tiles
 from kernels.triton_int4_mma import int4_mma, pick_mma_config
 from kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
 from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
@@ -37,9 +42,12 @@ SWEEP = [
 SHAPES = BENCH_SHAPES | {"lm_head": (4096, 128256)}
 
 
-def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tuple[int, ...]) -> None:
+def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tuple[int, ...], layout: str) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
+    tiled = layout == "tiles"
+    for s in sets:  # the MMA kernels' weight: "w"
+        s["w"] = pairs_to_tiles(s["pairs"]) if tiled else s["pairs"]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     nbytes = k * n // 2
     row: dict[str, object] = {"shape": name}
@@ -49,7 +57,7 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tu
     mma = pick_mma_gemv_config(n, k, num_sms)
     for label, fn in (
         ("pairs", lambda s: gemv_rows(x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, pairs, True)),
-        ("mma", lambda s: gemv_pairs_mma(x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma)),
+        ("mma", lambda s: gemv_pairs_mma(x, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, tiled=tiled)),
     ):
         y = fn(t).float()
         row[f"{label}_rel_err"] = round(float((y - ref).norm() / ref.norm()), 5)
@@ -58,11 +66,11 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tu
         row[f"{label}_of_copy"] = round(nbytes / us / 1e3 / (bandwidth / 1e9), 3)
     if name == "gate_up":  # decode's gate_up: SiLU-and-mul in the GEMV
         silu = silu_and_mul(gemv_rows(x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True))
-        fused = gemv_pairs_mma(x, t["pairs"], t["qzeros"], t["scales"], GROUP, 1, mma, True)
+        fused = gemv_pairs_mma(x, t["w"], t["qzeros"], t["scales"], GROUP, 1, mma, True, tiled)
         row["mma_silu_equal_x2_silu"] = round(float((fused.float() - silu.float()).norm() / silu.float().norm()), 5)
         for label, fn in (
             ("pairs_silu", lambda s: gemv_rows(x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, pairs, True, True)),
-            ("mma_silu", lambda s: gemv_pairs_mma(x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma, True)),
+            ("mma_silu", lambda s: gemv_pairs_mma(x, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, True, tiled)),
         ):
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     for m in rows:  # batched decode: x's rows in the MMA's columns, against the tl.dot kernel
@@ -70,15 +78,15 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tu
         refm = int4_reference.int4_gemm(xm.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
         dot = pick_mma_config(m, n, k, num_sms)
         for label, fn in (
-            (f"dot_m{m}", lambda s, xm=xm, dot=dot: int4_mma(xm, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, dot)),
-            (f"mma_m{m}", lambda s, xm=xm: gemv_pairs_mma(xm, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, mma)),
+            (f"dot_m{m}", lambda s, xm=xm, dot=dot: int4_mma(xm, s["w"], s["qzeros"], s["scales"], None, GROUP, 1, dot, tiled)),
+            (f"mma_m{m}", lambda s, xm=xm: gemv_pairs_mma(xm, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, tiled=tiled)),
         ):
             row[f"{label}_rel_err"] = round(float((fn(t).float() - refm).norm() / refm.norm()), 5)
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     sweep = []
     for tiles, unroll, warps, pps in [] if quick else SWEEP:
         cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps)
-        calls = [functools.partial(gemv_pairs_mma, x, s["pairs"], s["qzeros"], s["scales"], GROUP, 1, cfg) for s in sets]
+        calls = [functools.partial(gemv_pairs_mma, x, s["w"], s["qzeros"], s["scales"], GROUP, 1, cfg, tiled=tiled) for s in sets]
         sweep.append((round(timed(calls), 2), f"tiles={tiles} u={unroll} w={warps} pps={pps} split={cfg.split_k}"))
     if sweep:
         sweep.sort()
@@ -91,12 +99,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--rows", default="2,4,8", help="rows of x (batched decode) against the tl.dot kernel; '' for none")
     parser.add_argument("--shapes", default=",".join(BENCH_SHAPES), help="also: lm_head")
+    parser.add_argument("--layout", default="tiles", choices=("tiles", "pairs"), help="the MMA kernels' weight layout")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        shape_row(name, k, n, bandwidth, args.quick, tuple(int(r) for r in args.rows.split(",") if r))
+        shape_row(name, k, n, bandwidth, args.quick, tuple(int(r) for r in args.rows.split(",") if r), args.layout)
         torch.cuda.empty_cache()
 
 
