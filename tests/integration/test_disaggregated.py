@@ -267,8 +267,11 @@ def test_policy_fail_fails_cleanly_without_prefill(cluster: LocalCluster, tmp_pa
 
 
 def test_dead_prefill_leads_to_recompute(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
-    """Runs last in the module: it kills both prefill processes mid-request."""
-    text = "Describe the water cycle in detail. " * 40
+    """Runs last in the module: it kills both prefill processes mid-request. The prompt takes
+    5 chunked steps (~1100 tokens at 256 a step), so the kill lands while the prefill is
+    still computing even when its first `num_running` is seen a step late (a 2-step prompt
+    let the KV land before the kill in two CI runs)."""
+    text = "Describe the water cycle in detail. " * 150
     expected = _colocated(smollm2, [text], 8)[0]
     result: list[object] = []
     thread = threading.Thread(target=lambda: result.append(
