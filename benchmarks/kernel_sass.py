@@ -107,12 +107,13 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
             )  # fmt: skip
             name = f"INT4 {layout} GEMV, 64 outputs, {warps} warps"
             out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))
-    for multi in (False, True):  # pick_mma_gemv_config's default: 1 tile of 16 rows a warp, 2 blocks a step, 4 warps
+    # pick_mma_gemv_config's default: 1 tile of 16 rows a warp, 2 blocks a step, 4 warps
+    for layout, multi in (("pairs", False), ("tiles", False), ("tiles", True)):
         consts = dict(
             GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False, MULTI=multi,
-            ASM=int4_mma_ptx.ASM[False, multi], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[multi],
+            ASM=int4_mma_ptx.ASM[False, multi], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[multi], TILED=layout == "tiles",
         )  # fmt: skip
-        name = f"INT4 pairs MMA GEMV, 64 outputs, 4 warps{', 2-8 rows of x' if multi else ''}"
+        name = f"INT4 {layout} MMA GEMV, 64 outputs, 4 warps{', 2-8 rows of x' if multi else ''}"
         out.append((name, triton_int4_mma_gemv._mma_gemv_kernel, MMA_SIGNATURE, consts, 64 * 256 // (32 * 4), 4))
     return out
 

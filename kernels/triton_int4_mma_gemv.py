@@ -81,11 +81,12 @@ class MmaGemvConfig:
 
 
 @triton.jit
-def _offset(qzeros_ptr, group, row, N, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
-    """-(OFFSET + zero) of a row in fp32: sum_k (OFFSET + q_k) x_k plus this times sum_k x_k
-    is sum_k (q_k - zero) x_k."""
-    zero = ((tl.load(qzeros_ptr + group * (N // 8) + row // 8) >> ((row % 8) * 4)) & 0xF) + ZERO_OFFSET
-    return -((1024.0 if FP16 else 128.0) + zero.to(tl.float32))
+def _offset(words, shift, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
+    """-(OFFSET + zero) in fp32 of the zero nibble at `shift` of qzeros `words`: sum_k (OFFSET +
+    q_k) x_k plus this times sum_k x_k is sum_k (q_k - zero) x_k. The nibble goes into the
+    mantissa of 2^23 (an fp32 2^23 + zero: no integer conversion)."""
+    bits = ((words >> shift) & 0xF) | 0x4B000000
+    return (8388608.0 - (1024.0 if FP16 else 128.0) - ZERO_OFFSET) - bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -94,9 +95,16 @@ def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_
                   BLOCK_WORDS: tl.constexpr):  # fmt: skip
     """A step's weights: both rows' words, their -(OFFSET + zero) and scales."""
     group = (step * UNROLL + block) // GROUP_BLOCKS
+    zero_row = group * (N // 8)
+    if BLOCK_WORDS == 256:  # tiles: rows g and g + 8 of a tile are zero words 2r and 2r + 1, one 8-byte load
+        pair = tl.multiple_of(zero_row + row_lo // 8, 2)  # N and a tile's first row: multiples of 16
+        words = tl.load(qzeros_ptr + pair[:, None] + tl.arange(0, 2)[None, :])
+        off_lo, off_hi = tl.split(_offset(words, ((row_lo % 8) * 4)[:, None], ZERO_OFFSET, FP16))
+    else:
+        off_lo = _offset(tl.load(qzeros_ptr + zero_row + row_lo // 8), (row_lo % 8) * 4, ZERO_OFFSET, FP16)
+        off_hi = _offset(tl.load(qzeros_ptr + zero_row + row_hi // 8), (row_hi % 8) * 4, ZERO_OFFSET, FP16)
     return (
-        tl.load(words_lo + step * BLOCK_WORDS * UNROLL), tl.load(words_hi + step * BLOCK_WORDS * UNROLL),
-        _offset(qzeros_ptr, group, row_lo, N, ZERO_OFFSET, FP16), _offset(qzeros_ptr, group, row_hi, N, ZERO_OFFSET, FP16),
+        tl.load(words_lo + step * BLOCK_WORDS * UNROLL), tl.load(words_hi + step * BLOCK_WORDS * UNROLL), off_lo, off_hi,
         tl.load(scales_ptr + group * N + row_lo).to(tl.float32), tl.load(scales_ptr + group * N + row_hi).to(tl.float32),
     )  # fmt: skip
 
