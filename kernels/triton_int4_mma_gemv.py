@@ -92,11 +92,12 @@ def _offset(words, shift, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
 @triton.jit
 def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N,
                   GROUP_BLOCKS: tl.constexpr, UNROLL: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr,
-                  BLOCK_WORDS: tl.constexpr):  # fmt: skip
+                  TILED: tl.constexpr):  # fmt: skip
     """A step's weights: both rows' words, their -(OFFSET + zero) and scales."""
     group = (step * UNROLL + block) // GROUP_BLOCKS
     zero_row = group * (N // 8)
-    if BLOCK_WORDS == 256:  # tiles: rows g and g + 8 of a tile are zero words 2r and 2r + 1, one 8-byte load
+    BLOCK_WORDS: tl.constexpr = 256 if TILED else 16  # a block's words for one lane
+    if TILED:  # tiles: rows g and g + 8 of a tile are zero words 2r and 2r + 1, one 8-byte load
         pair = tl.multiple_of(zero_row + row_lo // 8, 2)  # N and a tile's first row: multiples of 16
         words = tl.load(qzeros_ptr + pair[:, None] + tl.arange(0, 2)[None, :])
         off_lo, off_hi = tl.split(_offset(words, ((row_lo % 8) * 4)[:, None], ZERO_OFFSET, FP16))
@@ -158,7 +159,6 @@ def _mma_gemv_kernel(
     j = (i // 32) % (TILES * WARPS) * 16 + g  # this lane's outputs: j (A's row g) and j + 8
     row_lo, _ = _weight_row(pid, j, N_OUT, HALF, SILU_MUL)
     row_hi, _ = _weight_row(pid, j + 8, N_OUT, HALF, SILU_MUL)
-    BLOCK_WORDS: tl.constexpr = 256 if TILED else 16  # a block's words for one lane's step
     if TILED:  # [N / 16, K / 128, 32 lanes, 8 words]: a warp's block is 1 KB in one piece
         lane_words = (row_lo // 16) * (2 * K) + block * 256 + ((row_lo % 16) * 4 + t) * 8
         words_lo = qweight_ptr + lane_words[:, None] + tl.arange(0, 4)[None, :]
@@ -186,7 +186,7 @@ def _mma_gemv_kernel(
     # first step's weights are read before waiting for x (kernels/pdl.py).
     lo, hi, off_lo, off_hi, s_lo, s_hi = _load_weights(
         tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
-        UNROLL, ZERO_OFFSET, FP16, BLOCK_WORDS,
+        UNROLL, ZERO_OFFSET, FP16, TILED,
     )  # fmt: skip
     if PDL:
         gdc_wait()
@@ -195,7 +195,7 @@ def _mma_gemv_kernel(
         ahead = tl.minimum(step + 1, last - 1)
         n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
             ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
-            UNROLL, ZERO_OFFSET, FP16, BLOCK_WORDS,
+            UNROLL, ZERO_OFFSET, FP16, TILED,
         )  # fmt: skip
         n_xa, n_xb, n_xc, n_xd, n_xs = _load_x(ahead, x_pairs, x_share, UNROLL, MULTI)
         acc0, acc1, acc2, acc3 = mma_block(

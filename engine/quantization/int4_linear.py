@@ -18,8 +18,8 @@ batch-1 MMA GEMV's lanes read them, a warp's block 1 KB in one piece: 1 to 128 r
 run on the tensor cores, kernels/triton_int4_mma.py), the pairs layout (each output's
 inputs contiguous, adjacent inputs in the two halves of a word) where groups smaller than
 128 inputs or parts of outputs not a multiple of 16 rule tiles out, or the rows layout
-where groups of 16 inputs rule pairs out; `int4_rows.DECODE_LAYOUT` picks another; zeros and scales keep
-GPTQ's layout. The repacks are exact, and loading ends with them: load_shard refuses
+where groups of 16 inputs rule pairs out (`int4_rows.DECODE_LAYOUT` picks another first);
+zeros and scales keep GPTQ's layout. The repacks are exact, and loading ends with them: load_shard refuses
 tensors afterwards.
 """
 
