@@ -66,6 +66,8 @@ MAX_ROWS = 8
 # without a split, and splitting it in two costs the partials' round trip (26.2 -> 23.9 us;
 # docs/benchmarks.md, session 14). The x2 GEMV keeps split_steps' default of two.
 MIN_SPLIT = 1
+# pick_mma_gemv_config: one block a step from this many programs an SM (llama's lm_head: 15).
+MANY_PROGRAMS_PER_SM = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,11 +235,16 @@ def _tile_sums(acc, UNROLL: tl.constexpr, TILES: tl.constexpr):
 
 
 def pick_mma_gemv_config(
-    n: int, k: int, num_sms: int, tiles: int = 1, unroll: int = 2, num_warps: int = 4, programs_per_sm: int = 4
+    n: int, k: int, num_sms: int, tiles: int = 1, unroll: int | None = None, num_warps: int = 4, programs_per_sm: int = 4
 ) -> MmaGemvConfig:  # fmt: skip
     """Split K until about `programs_per_sm` programs per SM (at least MIN_SPLIT ranges). The
     defaults are the best single config of benchmarks/bench_int4_mma_gemv.py's sweep on the
-    H200 over llama-3.1-8b's four shapes (docs/benchmarks.md)."""
+    H200 over llama-3.1-8b's four shapes (docs/benchmarks.md). `unroll` None: two blocks a
+    step, or one where the outputs alone make MANY_PROGRAMS_PER_SM programs an SM (there
+    programs, not blocks in flight, hide the loads: lm_head 86.1 -> 72.5 us, session 16)."""
+    if unroll is None:
+        programs = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps).block_n)
+        unroll = 1 if programs >= MANY_PROGRAMS_PER_SM * num_sms else 2
     num_programs = triton.cdiv(n, MmaGemvConfig(tiles, unroll, 1, num_warps).block_n)
     unroll, split_k = split_steps(k, unroll, num_programs, num_sms, programs_per_sm, MIN_SPLIT)
     return MmaGemvConfig(tiles, unroll, split_k, num_warps)

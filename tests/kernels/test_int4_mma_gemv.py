@@ -124,6 +124,9 @@ def test_pick_splits_k_to_fill_the_gpu() -> None:
     assert pick_mma_gemv_config(28672, 4096, 132).split_k == 1  # 448 programs fill 132 SMs: no split
     assert pick_mma_gemv_config(4096, 128, 132).split_k == 1  # one block: nothing to split
     assert pick_mma_gemv_config(4096, 384, 132).unroll == 1  # 3 blocks: 2 does not divide them
+    assert pick_mma_gemv_config(28672, 4096, 132).unroll == 2  # 448 programs: two blocks a step
+    assert pick_mma_gemv_config(128256, 4096, 132).unroll == 1  # lm_head's 2004: one
+    assert pick_mma_gemv_config(128256, 4096, 132, unroll=2).unroll == 2  # asked for
 
 
 # --- On a GPU
