@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
 from kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
@@ -66,6 +66,13 @@ MAX_ROWS = 8
 # without a split, and splitting it in two costs the partials' round trip (26.2 -> 23.9 us;
 # docs/benchmarks.md, session 14). The x2 GEMV keeps split_steps' default of two.
 MIN_SPLIT = 1
+# Under PDL a program lets the kernel after launch once its weight loop is done (True), so
+# that the norm, attention or down GEMV after is resident and waiting while the last
+# programs sum their splits and store; or not at all (False: it launches as the last
+# program exits). True: gptq batch-1 2.003 -> 1.855 ms on the H200 (docs/benchmarks.md,
+# session 16). Earlier is worse: a step before the loop's end 1.967, at the start +490 us
+# (session 7, the x2 GEMV).
+LATE_TRIGGER = True
 # pick_mma_gemv_config: one block a step from this many programs an SM (llama's lm_head: 15).
 MANY_PROGRAMS_PER_SM = 8
 
@@ -139,7 +146,7 @@ def _mma_gemv_kernel(
     M, N, K, stride_xm, stride_ym, stride_qn, split_k, GROUP_BLOCKS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
-    CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False,
+    CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -205,6 +212,8 @@ def _mma_gemv_kernel(
         )
         lo, hi, off_lo, off_hi, s_lo, s_hi = n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi
         xa, xb, xc, xd, xs = n_xa, n_xb, n_xc, n_xd, n_xs
+    if PDL and LATE_TRIGGER:  # its weights read: the kernel after may launch (kernels/pdl.py)
+        gdc_launch_dependents()
     rows, valid = _weight_row(pid, tl.arange(0, BLOCK_N), N_OUT, HALF, SILU_MUL)
     out_rows = tl.where(valid, rows, N)
     if MULTI:
@@ -294,6 +303,6 @@ def gemv_pairs_mma(
         GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
-        TILED=tiled, num_warps=config.num_warps, launch_pdl=use_pdl,
+        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

@@ -54,7 +54,7 @@ signature = {
 constexprs = dict(
     GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
     MULTI=bool(multi), ASM=int4_mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[bool(multi)],
-    TILED=bool(tiled),
+    TILED=bool(tiled), LATE_TRIGGER=True,
 )
 names = list(signature) + list(constexprs)
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M")}
@@ -72,7 +72,7 @@ import subprocess, os
 code = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"),
                        "--dump-sass", path], capture_output=True, text=True, check=True).stdout
 os.remove(path)
-print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code)}))
+print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code), "preexit": code.count("PREEXIT")}))
 """
 
 
@@ -105,6 +105,8 @@ def test_sm90_operands_sit_in_their_lanes(
     assert loop.get("SHFL.BFLY", 0) == (0 if multi else 2 * tiles * unroll), loop
     assert not any(op.startswith(("BAR", "LDS", "STS", "LDGSTS")) for op in loop), loop
     assert loop["LDG.E.128.CONSTANT" if "LDG.E.128.CONSTANT" in loop else "LDG.E.128"] >= 2 * tiles * unroll, loop  # 16-byte weight loads
+    # PDL: the kernel after may launch once, after the weight loop (griddepcontrol.launch_dependents)
+    assert result["preexit"] == 1 and "PREEXIT" not in loop, (result["preexit"], loop)
 
 
 def test_supported_is_up_to_8_16_bit_rows_on_a_gpu_with_groups_of_128() -> None:
