@@ -40,7 +40,9 @@ lane i % 32 of warp (i // 32) % WARPS, the blocked layout Triton gives them;
 tests/kernels/test_int4_mma_gemv.py checks the compiled kernel's layout (on any machine)
 and its values (on a GPU). K may be split over programs, whose partials meet under a
 semaphore (kernels/semaphores.py); SILU_MUL reads gate and up rows and stores
-silu(gate) * up, as the x2 GEMV does. GPU only (PTX); the wrapper reads only shapes:
+silu(gate) * up, as the x2 GEMV does. Under PDL (kernels/pdl.py) a program reads its first
+step's weights before it waits for x, and lets the kernel after launch once its weight
+loop is done (LATE_TRIGGER). GPU only (PTX); the wrapper reads only shapes:
 graph-capturable.
 """
 
