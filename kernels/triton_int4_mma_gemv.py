@@ -71,9 +71,9 @@ MIN_SPLIT = 1
 # Under PDL a program lets the kernel after launch once its weight loop is done (True), so
 # that the norm, attention or down GEMV after is resident and waiting while the last
 # programs sum their splits and store; or not at all (False: it launches as the last
-# program exits). True: gptq batch-1 2.003 -> 1.855 ms on the H200 (docs/benchmarks.md,
-# session 16). Earlier is worse: a step before the loop's end 1.967, at the start +490 us
-# (session 7, the x2 GEMV).
+# program exits). True: gptq-lm-head batch-1 1.997 -> 1.867 ms on the H200
+# (docs/benchmarks.md, session 16). Earlier is worse: at the loop's last step 1.967 against
+# 1.865 in one call; at the start +490 us (session 7, the x2 GEMV).
 LATE_TRIGGER = True
 # pick_mma_gemv_config: one block a step from this many programs an SM (llama's lm_head: 15).
 MANY_PROGRAMS_PER_SM = 8
@@ -253,10 +253,9 @@ def pick_mma_gemv_config(
     H200 over llama-3.1-8b's four shapes (docs/benchmarks.md). `unroll` None: two blocks a
     step, or one where the outputs alone make MANY_PROGRAMS_PER_SM programs an SM (there
     programs, not blocks in flight, hide the loads: lm_head 86.1 -> 72.5 us, session 16)."""
+    num_programs = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps).block_n)
     if unroll is None:
-        programs = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps).block_n)
-        unroll = 1 if programs >= MANY_PROGRAMS_PER_SM * num_sms else 2
-    num_programs = triton.cdiv(n, MmaGemvConfig(tiles, unroll, 1, num_warps).block_n)
+        unroll = 1 if num_programs >= MANY_PROGRAMS_PER_SM * num_sms else 2
     unroll, split_k = split_steps(k, unroll, num_programs, num_sms, programs_per_sm, MIN_SPLIT)
     return MmaGemvConfig(tiles, unroll, split_k, num_warps)
 
