@@ -31,11 +31,14 @@ from kernels.triton_int4_mma import int4_mma, pick_mma_config
 from kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
 from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
-# (16-row tiles per warp, blocks of 128 inputs per step, warps, programs per SM)
+# (16-row tiles per warp, blocks of 128 inputs per warp and step, warps, warps a tile's K is
+# split over, warps per SM K is split over programs until)
 SWEEP = [
-    (tiles, unroll, warps, pps)
-    for (tiles, warps), unroll, pps in itertools.product(
-        ((1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 2)), (1, 2, 4), (2, 4, 8)
+    (tiles, unroll, warps, k_warps, wps)
+    for (tiles, warps, k_warps), unroll, wps in itertools.product(
+        ((1, 4, 1), (1, 4, 2), (1, 4, 4), (2, 4, 4), (1, 2, 1), (1, 2, 2), (1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 8, 8)),
+        (1, 2),
+        (8, 16, 32),
     )
 ]
 # llama-3.1-8b's lm_head, for checkpoints that quantize it (K, N)
@@ -65,6 +68,7 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tu
         row[f"{label}_us"] = round(us, 2)
         row[f"{label}_of_copy"] = round(nbytes / us / 1e3 / (bandwidth / 1e9), 3)
     if name == "gate_up":  # decode's gate_up: SiLU-and-mul in the GEMV
+        mma = pick_mma_gemv_config(n, k, num_sms, silu_mul=True)
         silu = silu_and_mul(gemv_rows(x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True))
         fused = gemv_pairs_mma(x, t["w"], t["qzeros"], t["scales"], GROUP, 1, mma, True, tiled)
         row["mma_silu_equal_x2_silu"] = round(float((fused.float() - silu.float()).norm() / silu.float().norm()), 5)
@@ -77,20 +81,24 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tu
         xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         refm = int4_reference.int4_gemm(xm.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
         dot = pick_mma_config(m, n, k, num_sms)
+        mma = pick_mma_gemv_config(n, k, num_sms, rows=m)
         for label, fn in (
             (f"dot_m{m}", lambda s, xm=xm, dot=dot: int4_mma(xm, s["w"], s["qzeros"], s["scales"], None, GROUP, 1, dot, tiled)),
-            (f"mma_m{m}", lambda s, xm=xm: gemv_pairs_mma(xm, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, tiled=tiled)),
+            (f"mma_m{m}", lambda s, xm=xm, mma=mma: gemv_pairs_mma(xm, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, tiled=tiled)),
         ):
             row[f"{label}_rel_err"] = round(float((fn(t).float() - refm).norm() / refm.norm()), 5)
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     sweep = []
-    for tiles, unroll, warps, pps in [] if quick else SWEEP:
-        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, pps)
+    for tiles, unroll, warps, k_warps, wps in [] if quick else SWEEP:
+        if (k // 128) % (k_warps * unroll):
+            continue
+        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, k_warps, wps)
         calls = [functools.partial(gemv_pairs_mma, x, s["w"], s["qzeros"], s["scales"], GROUP, 1, cfg, tiled=tiled) for s in sets]
-        sweep.append((round(timed(calls), 2), f"tiles={tiles} u={unroll} w={warps} pps={pps} split={cfg.split_k}"))
+        sweep.append((round(timed(calls), 2), f"tiles={tiles} u={cfg.unroll} w={warps} kw={k_warps} wps={wps} split={cfg.split_k}"))
     if sweep:
         sweep.sort()
-        row["mma_best"] = sweep[:6]
+        row["mma_best"] = sweep[:8]
+        row["mma_kw1_best"] = [r for r in sweep if "kw=1 " in r[1]][:3]
     print(json.dumps(row), flush=True)
 
 

@@ -313,7 +313,7 @@ def int4_gemm_pairs(
     if m > DEQUANT_MIN_ROWS:
         return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
     if m <= MMA_GEMV_MAX_ROWS and not (m == 1 and ONE_ROW_ON_TL_DOT) and mma_gemv.supported(x, group):
-        mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
+        mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms, silu_mul=silu_mul, rows=m)
         return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul, tiled)
     if m == 1 and not ONE_ROW_ON_TL_DOT and not tiled:
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))

@@ -75,20 +75,26 @@ MIN_SPLIT = 1
 # (docs/benchmarks.md, session 16). Earlier is worse: at the loop's last step 1.967 against
 # 1.865 in one call; at the start +490 us (session 7, the x2 GEMV).
 LATE_TRIGGER = True
-# pick_mma_gemv_config: one block a step from this many programs an SM (llama's lm_head: 15).
-MANY_PROGRAMS_PER_SM = 8
+# pick_mma_gemv_config: the most warps that split a tile's K, their sums meeting in shared
+# memory (1: none; K split over programs only, their partials meeting in global memory).
+WARP_SPLIT = 8
+# pick_mma_gemv_config: K is split until about this many warps an SM, ...
+WARPS_PER_SM = 16
+# ... and from this many warps an SM a warp loads one block a step, not two (lm_head: 60).
+UNROLL_ONE_WARPS = 20
 
 
 @dataclass(frozen=True, slots=True)
 class MmaGemvConfig:
-    tiles: int  # 16-row tiles per warp (a program has 16 * tiles * num_warps outputs)
-    unroll: int  # blocks of 128 inputs per loop step; divides K / 128
-    split_k: int
+    tiles: int  # 16-row tiles per warp (a program has 16 * tiles * num_warps / k_warps outputs)
+    unroll: int  # blocks of 128 inputs per warp and loop step; unroll * k_warps divides K / 128
+    split_k: int  # ranges of K over programs (their partials meet under a semaphore)
     num_warps: int = 4
+    k_warps: int = 1  # warps of a program that share its tiles, each over its blocks of each step
 
     @property
     def block_n(self) -> int:
-        return 16 * self.tiles * self.num_warps
+        return 16 * self.tiles * self.num_warps // self.k_warps
 
 
 @triton.jit
@@ -149,25 +155,32 @@ def _mma_gemv_kernel(
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
     CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    K_WARPS: tl.constexpr = 1,
 ):  # fmt: skip
-    """Program (0, N block, split): 16 * TILES * WARPS weight rows. Element i of the [T]
+    """Program (0, N block, split): 16 * TILES * WARPS / K_WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
     16-row tile); the [T, 4] loads hold the lane's 4 words (16 bytes) of a row in their
     columns. SILU_MUL: the weight is [gate | up] (N = 2I rows); the program's first half of
     tiles reads gate rows n, the second up rows I + n, and it stores silu(gate) * up [1, I].
     MULTI: x has M rows (up to 8), row n in the MMA's column n: lane (g, t) reads row g's
-    pairs and sums rows 2t and 2t + 1 (one row: every lane reads row 0 and keeps column 0)."""
+    pairs and sums rows 2t and 2t + 1 (one row: every lane reads row 0 and keeps column 0).
+    K_WARPS: warps w and w + 1 .. share tiles (numbered w // K_WARPS), each step's K_WARPS *
+    UNROLL blocks shared out UNROLL to a warp (w % K_WARPS); their sums meet in shared memory
+    at the end, not through a split's round trip to global memory."""
     T: tl.constexpr = UNROLL * TILES * WARPS * 32
-    BLOCK_N: tl.constexpr = 16 * TILES * WARPS
+    NT: tl.constexpr = TILES * WARPS // K_WARPS  # the program's tiles
+    BLOCK_N: tl.constexpr = 16 * NT
+    STEP: tl.constexpr = UNROLL * K_WARPS  # blocks of a step, over a tile's warps
     HALF: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     N_OUT = N // 2 if SILU_MUL else N
     pid = tl.program_id(1)
     i = tl.arange(0, T)
     lane = i % 32
-    block = i // (32 * TILES * WARPS)  # block of the step
+    slot = (i // 32) % (TILES * WARPS)  # (tile register, warp)
+    block = slot % K_WARPS * UNROLL + i // (32 * TILES * WARPS)  # block of the step
     g = lane // 4
     t = lane % 4
-    j = (i // 32) % (TILES * WARPS) * 16 + g  # this lane's outputs: j (A's row g) and j + 8
+    j = slot // K_WARPS * 16 + g  # this lane's outputs: j (A's row g) and j + 8
     row_lo, _ = _weight_row(pid, j, N_OUT, HALF, SILU_MUL)
     row_hi, _ = _weight_row(pid, j + 8, N_OUT, HALF, SILU_MUL)
     if TILED:  # [N / 16, K / 128, 32 lanes, 8 words]: a warp's block is 1 KB in one piece
@@ -184,7 +197,7 @@ def _mma_gemv_kernel(
     # one row: pairs 16 (g // 2) + 4t + 2 (g % 2) and + 1, the lane's share of the block sum
     share_pairs = block * 64 + 16 * (g // 2) + 4 * t + 2 * (g % 2)
     x_share = x_ptr.to(tl.pointer_type(tl.uint32)) + share_pairs[:, None] + tl.arange(0, 2)[None, :]
-    num_steps = K // (128 * UNROLL)
+    num_steps = K // (128 * STEP)
     per_split = tl.cdiv(num_steps, split_k)
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, num_steps)
@@ -197,18 +210,18 @@ def _mma_gemv_kernel(
     # first step's weights are read before waiting for x (kernels/pdl.py).
     lo, hi, off_lo, off_hi, s_lo, s_hi = _load_weights(
         tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
-        UNROLL, ZERO_OFFSET, FP16, TILED,
+        STEP, ZERO_OFFSET, FP16, TILED,
     )  # fmt: skip
     if PDL:
         gdc_wait()
-    xa, xb, xc, xd, xs = _load_x(tl.minimum(first, last - 1), x_pairs, x_share, UNROLL, MULTI)
+    xa, xb, xc, xd, xs = _load_x(tl.minimum(first, last - 1), x_pairs, x_share, STEP, MULTI)
     for step in tl.range(first, last, num_stages=1):
         ahead = tl.minimum(step + 1, last - 1)
         n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
             ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
-            UNROLL, ZERO_OFFSET, FP16, TILED,
+            STEP, ZERO_OFFSET, FP16, TILED,
         )  # fmt: skip
-        n_xa, n_xb, n_xc, n_xd, n_xs = _load_x(ahead, x_pairs, x_share, UNROLL, MULTI)
+        n_xa, n_xb, n_xc, n_xd, n_xs = _load_x(ahead, x_pairs, x_share, STEP, MULTI)
         acc0, acc1, acc2, acc3 = mma_block(
             lo, hi, off_lo, off_hi, xa, xb, xc, xd, xs, s_lo, s_hi, acc0, acc1, acc2, acc3, ASM, CONSTRAINTS, MULTI
         )
@@ -220,10 +233,10 @@ def _mma_gemv_kernel(
     out_rows = tl.where(valid, rows, N)
     if MULTI:
         # acc (block, tile, g, t): y[2t + e, tile * 16 + g + 8h] in acc{2h + e}
-        lo = tl.reshape(tl.join(_tile_sums(acc0, UNROLL, TILES * WARPS), _tile_sums(acc1, UNROLL, TILES * WARPS)),
-                        (TILES * WARPS, 8, 8))  # (tile, g, x row)
-        hi = tl.reshape(tl.join(_tile_sums(acc2, UNROLL, TILES * WARPS), _tile_sums(acc3, UNROLL, TILES * WARPS)),
-                        (TILES * WARPS, 8, 8))
+        lo = tl.reshape(tl.join(_tile_sums(acc0, UNROLL, NT, K_WARPS), _tile_sums(acc1, UNROLL, NT, K_WARPS)),
+                        (NT, 8, 8))  # (tile, g, x row)
+        hi = tl.reshape(tl.join(_tile_sums(acc2, UNROLL, NT, K_WARPS), _tile_sums(acc3, UNROLL, NT, K_WARPS)),
+                        (NT, 8, 8))
         partial = tl.reshape(tl.permute(tl.join(lo, hi), (0, 3, 1, 2)), (BLOCK_N, 8))  # y^T: output tile * 16 + 8h + g
         offs_m = tl.arange(0, 8)
         total, is_last = sum_splits(partial, offs_m, out_rows, M, N, split_k, ws_ptr, lock_ptr)
@@ -232,32 +245,46 @@ def _mma_gemv_kernel(
     else:
         # acc (block, tile, g, t): outputs tile * 16 + g (acc0) and + 8 (acc1), the same for every t.
         first_t = tl.arange(0, 4)[None, None, :] == 0
-        lo_sums = tl.sum(tl.where(first_t, _tile_sums(acc0, UNROLL, TILES * WARPS), 0.0), axis=2)
-        hi_sums = tl.sum(tl.where(first_t, _tile_sums(acc1, UNROLL, TILES * WARPS), 0.0), axis=2)
+        lo_sums = tl.sum(tl.where(first_t, _tile_sums(acc0, UNROLL, NT, K_WARPS), 0.0), axis=2)
+        hi_sums = tl.sum(tl.where(first_t, _tile_sums(acc1, UNROLL, NT, K_WARPS), 0.0), axis=2)
         partial = tl.reshape(tl.permute(tl.join(lo_sums, hi_sums), (0, 2, 1)), (BLOCK_N,))  # output tile * 16 + 8h + g
         total, is_last = sum_splits(partial[:, None], tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
         store_outputs(tl.reshape(total, (BLOCK_N,)), y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
 
 
 @triton.jit
-def _tile_sums(acc, UNROLL: tl.constexpr, TILES: tl.constexpr):
-    """[T] accumulators (block, tile, g, t) -> summed over the step's blocks, [TILES, 8, 4]."""
-    return tl.sum(tl.reshape(acc, (UNROLL, TILES, 8, 4)), axis=0)
+def _tile_sums(acc, UNROLL: tl.constexpr, TILES: tl.constexpr, K_WARPS: tl.constexpr):
+    """[T] accumulators (block, tile, k warp, g, t) -> summed over the warp's blocks of the
+    step and the tile's warps (across warps: Triton's sum, through shared memory), [TILES, 8, 4]."""
+    sums = tl.sum(tl.reshape(acc, (UNROLL, TILES, K_WARPS, 8, 4)), axis=0)
+    return tl.sum(sums, axis=1)
 
 
 def pick_mma_gemv_config(
-    n: int, k: int, num_sms: int, tiles: int = 1, unroll: int | None = None, num_warps: int = 4, programs_per_sm: int = 4
+    n: int, k: int, num_sms: int, tiles: int = 1, unroll: int | None = None, num_warps: int | None = None,
+    k_warps: int | None = None, warps_per_sm: int = WARPS_PER_SM, silu_mul: bool = False, rows: int = 1,
 ) -> MmaGemvConfig:  # fmt: skip
-    """Split K until about `programs_per_sm` programs per SM (at least MIN_SPLIT ranges). The
-    defaults are the best single config of benchmarks/bench_int4_mma_gemv.py's sweep on the
-    H200 over llama-3.1-8b's four shapes (docs/benchmarks.md). `unroll` None: two blocks a
-    step, or one where the outputs alone make MANY_PROGRAMS_PER_SM programs an SM (there
-    programs, not blocks in flight, hide the loads: lm_head 86.1 -> 72.5 us, session 16)."""
-    num_programs = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps).block_n)
+    """A config for N weight rows (with `silu_mul`, [gate | up]'s) and K inputs on `num_sms`
+    SMs, from benchmarks/bench_int4_mma_gemv.py's sweep over llama-3.1-8b's shapes on the
+    H200 (docs/benchmarks.md). Its 16-row tiles get `k_warps` warps each (None: doubled up to
+    WARP_SPLIT while the tiles' warps are fewer than `warps_per_sm` an SM), then K is split
+    over programs until about that many warps an SM (at least MIN_SPLIT ranges). `unroll`
+    None: two blocks a warp and step, or one from UNROLL_ONE_WARPS warps an SM (the warps
+    then hide the loads) and for 2-8 `rows` of x over split tiles (down at 2 rows, 8 warps a
+    tile: 16.2 us with two, 14.5 with one). `num_warps` None: k_warps, at least 4; with
+    silu_mul at least two tiles a program (its gate and up halves)."""
+    num_tiles = triton.cdiv(n, 16)
+    if k_warps is None:
+        k_warps, most = 1, WARP_SPLIT // (2 if silu_mul else 1)
+        while 2 * k_warps <= most and num_tiles * k_warps < warps_per_sm * num_sms and (k // ROW_BLOCK) % (2 * k_warps) == 0:
+            k_warps *= 2
+    if num_warps is None:
+        num_warps = max(4, k_warps * (2 if silu_mul else 1))
+    warps = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps, k_warps).block_n) * num_warps
     if unroll is None:
-        unroll = 1 if num_programs >= MANY_PROGRAMS_PER_SM * num_sms else 2
-    unroll, split_k = split_steps(k, unroll, num_programs, num_sms, programs_per_sm, MIN_SPLIT)
-    return MmaGemvConfig(tiles, unroll, split_k, num_warps)
+        unroll = 1 if warps >= UNROLL_ONE_WARPS * num_sms or (rows > 1 and k_warps > 1) else 2
+    unroll, split_k = split_steps(k // k_warps, unroll, warps, num_sms, warps_per_sm, MIN_SPLIT)
+    return MmaGemvConfig(tiles, unroll, split_k, num_warps, k_warps)
 
 
 def supported(x: torch.Tensor, group_size: int) -> bool:
@@ -288,7 +315,9 @@ def gemv_pairs_mma(
     n, k = pairs_shape(qweight)
     assert supported(x, group_size) and x.shape[1] == k, (x.shape, x.dtype, qweight.shape, group_size)
     assert tiled == (qweight.dim() == 3), f"qweight {tuple(qweight.shape)} is not in the {'tiles' if tiled else 'pairs'} layout"
-    assert k % (ROW_BLOCK * config.unroll) == 0 and qweight.numel() < 2**31, (qweight.shape, config)
+    assert k % (ROW_BLOCK * config.unroll * config.k_warps) == 0 and qweight.numel() < 2**31, (qweight.shape, config)
+    assert config.num_warps % config.k_warps == 0 and config.block_n > 0, config
+    assert not (silu_mul and tiled) or config.block_n % 32 == 0, f"{config}: SiLU-and-mul on tiles needs 2 tiles a program"
     assert not silu_mul or (n % 2 == 0 and m == 1), f"{m} x {n}: SiLU-and-mul takes one row of [gate | up]"
     n_out = n // 2 if silu_mul else n
     assert not tiled or n_out % 16 == 0, f"tiles of 16 outputs: {n_out} outputs (gate's, with SiLU-and-mul)"
@@ -304,6 +333,6 @@ def gemv_pairs_mma(
         GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
-        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, num_warps=config.num_warps, launch_pdl=use_pdl,
+        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

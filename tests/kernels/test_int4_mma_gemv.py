@@ -44,7 +44,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import main_loop
 from kernels import int4_mma_ptx, triton_int4_mma_gemv as m
-tiles, unroll, warps, fp16, silu, multi, tiled = (int(a) for a in sys.argv[1:8])
+tiles, unroll, warps, fp16, silu, multi, tiled, k_warps = (int(a) for a in sys.argv[1:9])
 dtype = "*fp16" if fp16 else "*bf16"
 signature = {
     "x_ptr": dtype, "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": dtype, "ws_ptr": "*fp32",
@@ -54,7 +54,7 @@ signature = {
 constexprs = dict(
     GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
     MULTI=bool(multi), ASM=int4_mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[bool(multi)],
-    TILED=bool(tiled), LATE_TRIGGER=True,
+    TILED=bool(tiled), LATE_TRIGGER=True, K_WARPS=k_warps,
 )
 names = list(signature) + list(constexprs)
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M")}
@@ -77,18 +77,21 @@ print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code),
 
 
 @pytest.mark.parametrize(
-    ("tiles", "unroll", "warps", "fp16", "silu", "multi", "tiled"),
-    [(1, 2, 4, 0, 0, 0, 0), (2, 1, 2, 1, 0, 0, 0), (1, 1, 8, 0, 1, 0, 0), (1, 2, 4, 0, 0, 1, 0), (1, 2, 4, 0, 1, 0, 1)],
-    ids=["default", "two-tiles-fp16", "eight-warps-silu", "rows", "tiles-layout-silu"],
+    ("tiles", "unroll", "warps", "fp16", "silu", "multi", "tiled", "k_warps"),
+    [
+        (1, 2, 4, 0, 0, 0, 0, 1), (2, 1, 2, 1, 0, 0, 0, 1), (1, 1, 8, 0, 1, 0, 0, 1), (1, 2, 4, 0, 0, 1, 0, 1),
+        (1, 2, 4, 0, 1, 0, 1, 1), (1, 2, 4, 0, 0, 0, 1, 4), (2, 1, 8, 0, 0, 1, 1, 2),
+    ],
+    ids=["default", "two-tiles-fp16", "eight-warps-silu", "rows", "tiles-layout-silu", "k-warps", "k-warps-rows"],
 )
 def test_sm90_operands_sit_in_their_lanes(
-    tiles: int, unroll: int, warps: int, fp16: int, silu: int, multi: int, tiled: int
+    tiles: int, unroll: int, warps: int, fp16: int, silu: int, multi: int, tiled: int, k_warps: int
 ) -> None:  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root)
     out = subprocess.run(
-        [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu, multi, tiled))],
+        [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu, multi, tiled, k_warps))],
         env=env, cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -103,6 +106,7 @@ def test_sm90_operands_sit_in_their_lanes(
     # per 16-row tile and block: 8 weight MMAs, and the sums of x: one MMA at one row, 8 for M rows
     assert loop[kind] == (16 if multi else 9) * tiles * unroll
     assert loop.get("SHFL.BFLY", 0) == (0 if multi else 2 * tiles * unroll), loop
+    # (k_warps > 1: the tile's warps meet in shared memory after the loop, not in it)
     assert not any(op.startswith(("BAR", "LDS", "STS", "LDGSTS")) for op in loop), loop
     assert loop["LDG.E.128.CONSTANT" if "LDG.E.128.CONSTANT" in loop else "LDG.E.128"] >= 2 * tiles * unroll, loop  # 16-byte weight loads
     # PDL: the kernel after may launch once, after the weight loop (griddepcontrol.launch_dependents)
@@ -119,16 +123,24 @@ def test_supported_is_up_to_8_16_bit_rows_on_a_gpu_with_groups_of_128() -> None:
         assert not supported(x, 64) and not supported(x.float(), 128) and not supported(x.expand(9, 256), 128)
 
 
-def test_pick_splits_k_to_fill_the_gpu() -> None:
-    small = pick_mma_gemv_config(4096, 4096, 132)
-    assert (small.tiles, small.unroll, small.num_warps, small.block_n) == (1, 2, 4, 64)
-    assert small.split_k == 8  # 64 programs over 132 SMs, 4 a SM: 528 / 64
-    assert pick_mma_gemv_config(28672, 4096, 132).split_k == 1  # 448 programs fill 132 SMs: no split
+def test_pick_splits_k_over_a_tiles_warps_then_over_programs() -> None:
+    o = pick_mma_gemv_config(4096, 4096, 132)
+    # 256 tiles of 16 rows, 8 warps each (2048 warps, about 16 an SM): no split over programs
+    assert (o.tiles, o.unroll, o.num_warps, o.k_warps, o.block_n, o.split_k) == (1, 2, 8, 8, 16, 1)
+    qkv = pick_mma_gemv_config(6144, 4096, 132)
+    assert (qkv.k_warps, qkv.unroll, qkv.split_k) == (8, 1, 1)  # 3072 warps: one block a step
+    gate_up = pick_mma_gemv_config(28672, 4096, 132, silu_mul=True)
+    assert (gate_up.k_warps, gate_up.num_warps, gate_up.block_n) == (2, 4, 32)  # gate and up: a tile each
+    assert pick_mma_gemv_config(4096, 4096, 132, k_warps=1).split_k == 8  # over programs only: 16 * 132 / 256
+    assert pick_mma_gemv_config(576, 14336, 132).split_k == 7  # 36 tiles x 8 warps: 2112 / 288, over 14 blocks a warp
+    assert pick_mma_gemv_config(4096, 256, 132).k_warps == 2  # 2 blocks: 2 warps a tile at most
+    assert pick_mma_gemv_config(128256, 4096, 132).k_warps == 1  # 8016 tiles: K not split at all
     assert pick_mma_gemv_config(4096, 128, 132).split_k == 1  # one block: nothing to split
-    assert pick_mma_gemv_config(4096, 384, 132).unroll == 1  # 3 blocks: 2 does not divide them
-    assert pick_mma_gemv_config(28672, 4096, 132).unroll == 2  # 448 programs: two blocks a step
-    assert pick_mma_gemv_config(128256, 4096, 132).unroll == 1  # lm_head's 2004: one
+    assert pick_mma_gemv_config(4096, 384, 132, k_warps=1).unroll == 1  # 3 blocks: 2 does not divide them
+    assert pick_mma_gemv_config(128256, 4096, 132).unroll == 1  # lm_head's 8016 warps: one block a step
     assert pick_mma_gemv_config(128256, 4096, 132, unroll=2).unroll == 2  # asked for
+    assert pick_mma_gemv_config(4096, 4096, 132, rows=2).unroll == 1  # 2-8 rows over split tiles: one
+    assert pick_mma_gemv_config(4096, 4096, 132, rows=2, k_warps=1).unroll == 2
 
 
 # --- On a GPU
@@ -152,8 +164,11 @@ BOUNDS = {torch.bfloat16: 3e-3, torch.float16: 4e-4}
 @pytest.mark.parametrize(("group_size", "zero_offset"), [(128, 1), (256, 0), (-1, 1)], ids=["g128", "g256-awq", "one"])
 @pytest.mark.parametrize(
     "config",
-    [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 2, 1, 4), MmaGemvConfig(1, 4, 2, 8)],
-    ids=["default", "split3", "two-tiles", "eight-warps"],
+    [
+        None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 2, 1, 4), MmaGemvConfig(1, 4, 2, 8),
+        MmaGemvConfig(1, 1, 1, 4, 1), MmaGemvConfig(2, 1, 3, 8, 2),
+    ],
+    ids=["default", "split3", "two-tiles", "eight-warps", "k-over-programs-only", "two-k-warps-split3"],
 )
 def test_cuda_against_the_reference(
     dtype: torch.dtype, group_size: int, zero_offset: int, config: MmaGemvConfig | None
@@ -184,7 +199,9 @@ def test_cuda_llama_8b_shapes_halve_the_x2_error(k: int, n: int) -> None:
 
 
 @cuda_only
-@pytest.mark.parametrize("config", [None, MmaGemvConfig(1, 1, 5, 8)], ids=["default", "eight-warps-split5"])
+@pytest.mark.parametrize(
+    "config", [None, MmaGemvConfig(1, 1, 5, 8), MmaGemvConfig(1, 2, 1, 8, 8)], ids=["default", "eight-warps-split5", "eight-k-warps"]
+)
 def test_cuda_silu_mul_equals_the_two_launches(config: MmaGemvConfig | None) -> None:
     k, n = 2048, 2 * 1040  # 1040 outputs: not a whole number of programs
     t = gptq_tensors(k, n, 128, 1)
@@ -212,12 +229,14 @@ def test_cuda_decode_dispatch_takes_it_and_the_switch_turns_it_off(monkeypatch: 
 
 @cuda_only
 @pytest.mark.parametrize("m", [2, 3, 8])
-@pytest.mark.parametrize("config", [None, MmaGemvConfig(1, 1, 3, 2)], ids=["default", "split3"])
+@pytest.mark.parametrize(
+    "config", [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 1, 2, 8, 4)], ids=["default", "split3", "four-k-warps-split2"]
+)
 def test_cuda_rows_of_x_are_the_mma_columns(m: int, config: MmaGemvConfig | None) -> None:
     k, n = 1024, 336
     t = gptq_tensors(k, n, 128, 1)
     x = randn(m, k, dtype=torch.bfloat16, seed=m)
-    config = config or pick_mma_gemv_config(n, k, 132)
+    config = config or pick_mma_gemv_config(n, k, 132, rows=m)
     y = gemv_pairs_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], 128, 1, config)
     assert y.shape == (m, n)
     expected = reference(x, t, 128, 1)
@@ -228,21 +247,24 @@ def test_cuda_rows_of_x_are_the_mma_columns(m: int, config: MmaGemvConfig | None
 @cuda_only
 @pytest.mark.parametrize(("m", "silu_mul"), [(1, False), (1, True), (3, False), (8, False)])
 @pytest.mark.parametrize(
-    "config", [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 2, 1, 4)], ids=["default", "split3", "two-tiles"]
+    "config",
+    [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 2, 1, 4), MmaGemvConfig(1, 1, 1, 4, 1)],
+    ids=["default", "split3", "two-tiles", "k-over-programs-only"],
 )
 def test_cuda_tiles_layout_equals_pairs_bit_for_bit(m: int, silu_mul: bool, config: MmaGemvConfig | None) -> None:
     # The same words through the same MMAs in the same order: only the addresses differ.
     k, n = 1024, 2 * 336
     t = gptq_tensors(k, n, 128, 1)
     x = randn(m, k, dtype=torch.bfloat16, seed=12)
-    config = config or pick_mma_gemv_config(n, k, 132)
+    config = config or pick_mma_gemv_config(n, k, 132, silu_mul=silu_mul)
     pairs = gptq_to_pairs(t["qweight"])
     y = gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, config, silu_mul)
     tiled = gemv_pairs_mma(x, pairs_to_tiles(pairs), t["qzeros"], t["scales"], 128, 1, config, silu_mul, tiled=True)
     assert torch.equal(tiled, y)
     via_dispatch = kernels.int4_gemm(x, pairs_to_tiles(pairs), t["qzeros"], t["scales"], None, 128, "tiles", 1, silu_mul)
     assert torch.equal(via_dispatch, gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1,
-                                                    pick_mma_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count),
+                                                    pick_mma_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count,
+                                                                         silu_mul=silu_mul, rows=m),
                                                     silu_mul))  # fmt: skip
     with pytest.raises(AssertionError, match="tiles layout"):
         gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, config, tiled=True)
@@ -256,7 +278,7 @@ def test_cuda_decode_dispatch_takes_up_to_8_rows() -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (4, 8):
         x = randn(m, k, dtype=torch.bfloat16, seed=m)
-        direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, num_sms))
+        direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, num_sms, rows=m))
         assert torch.equal(kernels.int4_gemm(x, *args), direct)
     x = randn(9, k, dtype=torch.bfloat16, seed=9)  # 9 rows: the tl.dot kernel
     assert relative_error(kernels.int4_gemm(x, *args), reference(x, t, 128, 1)) < 5e-3
