@@ -7,7 +7,10 @@ against the tl.dot tensor-core kernel (kernels/triton_int4_mma.py), and a sweep 
 GEMV's configs at one row.
 
     PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head] [--rows 2,4,8]
-        [--layout tiles|pairs]
+        [--layout tiles|pairs] [--vary MODULE.ATTR=A,B]
+
+`--vary` runs it all once per value of a module attribute (e.g.
+kernels.triton_int4_mma_gemv.WARP_SPLIT=1,8), each row naming its setting.
 
 The MMA kernels read `--layout` (tiles, decode's, by default; kernels/int4_rows.py), the x2
 GEMV the pairs layout it reads.
@@ -22,6 +25,7 @@ import json
 
 import torch
 
+from benchmarks import vary
 from benchmarks.bench_gemv import copy_bandwidth
 from benchmarks.bench_int4_gemv import GROUP, packed_set, timed
 from benchmarks.bench_int4_gemv import SHAPES as BENCH_SHAPES
@@ -45,7 +49,9 @@ SWEEP = [
 SHAPES = BENCH_SHAPES | {"lm_head": (4096, 128256)}
 
 
-def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tuple[int, ...], layout: str) -> None:
+def shape_row(
+    name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tuple[int, ...], layout: str, setting: str = ""
+) -> None:  # fmt: skip
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
     tiled = layout == "tiles"
@@ -53,7 +59,7 @@ def shape_row(name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tu
         s["w"] = pairs_to_tiles(s["pairs"]) if tiled else s["pairs"]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     nbytes = k * n // 2
-    row: dict[str, object] = {"shape": name}
+    row: dict[str, object] = {"shape": name} | ({"setting": setting} if setting else {})
     t = sets[0]
     ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
     pairs = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))
@@ -108,13 +114,21 @@ def main() -> None:
     parser.add_argument("--rows", default="2,4,8", help="rows of x (batched decode) against the tl.dot kernel; '' for none")
     parser.add_argument("--shapes", default=",".join(BENCH_SHAPES), help="also: lm_head")
     parser.add_argument("--layout", default="tiles", choices=("tiles", "pairs"), help="the MMA kernels' weight layout")
+    parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
+                        help="run once per value of a module attribute, e.g. kernels.triton_int4_mma_gemv.WARP_SPLIT=1,8")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
-    for name in args.shapes.split(","):
-        k, n = SHAPES[name]
-        shape_row(name, k, n, bandwidth, args.quick, tuple(int(r) for r in args.rows.split(",") if r), args.layout)
-        torch.cuda.empty_cache()
+    axes = vary.parse(args.vary)
+    for values in itertools.product(*(v for _, v in axes)):
+        setting = ", ".join(f"{name} {value}" for (name, _), value in zip(axes, values, strict=True))
+        for (name, _), value in zip(axes, values, strict=True):
+            vary.set_attribute(name, value)
+        for name in args.shapes.split(","):
+            k, n = SHAPES[name]
+            rows = tuple(int(r) for r in args.rows.split(",") if r)
+            shape_row(name, k, n, bandwidth, args.quick, rows, args.layout, setting)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

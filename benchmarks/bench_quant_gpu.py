@@ -31,9 +31,7 @@ not the model's.
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
-import importlib
 import itertools
 import json
 import statistics
@@ -45,6 +43,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 import kernels
+from benchmarks import vary
 from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
 from engine import LLM, SamplingParams
 from engine.errors import EngineError
@@ -119,8 +118,7 @@ def _apply(name: str, value: str) -> None:
     elif name == "lm-head":  # cuBLAS (CausalLM.compute_logits: nn.Linear) or the Triton GEMV
         CausalLM.compute_logits = _COMPUTE_LOGITS if value == "cublas" else _gemv_logits  # type: ignore[method-assign]
     else:
-        module, attr = name.rsplit(".", 1)
-        setattr(importlib.import_module(module), attr, ast.literal_eval(value))
+        vary.set_attribute(name, value)
 
 
 _COMPUTE_LOGITS = CausalLM.compute_logits
@@ -201,7 +199,7 @@ def main() -> None:
         ("pdl", args.pdl.split(",")), ("decode-rotary", args.decode_rotary.split(",")),
         ("lane-sums", args.lane_sums.split(",")), ("lm-head", args.lm_head.split(",")),
         ("int4-gemv", args.int4_gemv.split(",")),
-    ] + [(name, values.split(",")) for name, values in (v.split("=", 1) for v in args.vary)]  # fmt: skip
+    ] + vary.parse(args.vary)  # fmt: skip
     tokens: dict[tuple[str, str], list[int]] = {}
     for values in itertools.product(*(v for _, v in axes)):
         for (name, _), value in zip(axes, values, strict=True):

@@ -38,12 +38,14 @@ outputs g, g, g + 8, g + 8 for x's rows 2t, 2t + 1, 2t, 2t + 1, the ones-MMA giv
 row's sum of x in its column: the same loads and MMAs for up to 8 rows. The PTX is right only if element i of the [T] tensors it reads sits in
 lane i % 32 of warp (i // 32) % WARPS, the blocked layout Triton gives them;
 tests/kernels/test_int4_mma_gemv.py checks the compiled kernel's layout (on any machine)
-and its values (on a GPU). K may be split over programs, whose partials meet under a
-semaphore (kernels/semaphores.py); SILU_MUL reads gate and up rows and stores
-silu(gate) * up, as the x2 GEMV does. Under PDL (kernels/pdl.py) a program reads its first
-step's weights before it waits for x, and lets the kernel after launch once its weight
-loop is done (LATE_TRIGGER). GPU only (PTX); the wrapper reads only shapes:
-graph-capturable.
+and its values (on a GPU). K may be split over a tile's warps (K_WARPS), whose sums meet in
+shared memory after the loop, and then over programs, whose partials meet under a semaphore
+(kernels/semaphores.py): llama-3.1-8b's qkv, o and down take 8 warps a tile and no split
+over programs (o 5.9 -> 4.8 us, down 12.0 -> 10.7; docs/benchmarks.md, session 17).
+SILU_MUL reads gate and up rows and stores silu(gate) * up, as the x2 GEMV does. Under PDL
+(kernels/pdl.py) a program reads its first step's weights before it waits for x, and lets
+the kernel after launch once its weight loop is done (LATE_TRIGGER). GPU only (PTX); the
+wrapper reads only shapes: graph-capturable.
 """
 
 from __future__ import annotations
