@@ -4,10 +4,10 @@ run, on llama-3.1-8b's shapes (many calls in one CUDA graph over weights larger 
 each at its default config with its relative error against the fp32 reference, gate_up also
 with SiLU-and-mul fused (as decode runs it); then 2, 4 and 8 rows of x (batched decode)
 against the tl.dot tensor-core kernel (kernels/triton_int4_mma.py), and a sweep of the MMA
-GEMV's configs at one row.
+GEMV's configs at `--sweep-rows` rows of x (one by default).
 
     PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head] [--rows 2,4,8]
-        [--layout tiles|pairs] [--vary MODULE.ATTR=A,B]
+        [--layout tiles|pairs] [--vary MODULE.ATTR=A,B] [--sweep-rows 1]
 
 `--vary` runs it all once per value of a module attribute (e.g.
 kernels.triton_int4_mma_gemv.WARP_SPLIT=1,8), each row naming its setting.
@@ -50,7 +50,8 @@ SHAPES = BENCH_SHAPES | {"lm_head": (4096, 128256)}
 
 
 def shape_row(
-    name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tuple[int, ...], layout: str, setting: str = ""
+    name: str, k: int, n: int, bandwidth: float, quick: bool, rows: tuple[int, ...], layout: str, setting: str = "",
+    sweep_rows: int = 1,
 ) -> None:  # fmt: skip
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
@@ -95,15 +96,17 @@ def shape_row(
             row[f"{label}_rel_err"] = round(float((fn(t).float() - refm).norm() / refm.norm()), 5)
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     sweep = []
+    xs = torch.randn(sweep_rows, k, device="cuda", dtype=torch.bfloat16)
     for tiles, unroll, warps, k_warps, wps in [] if quick else SWEEP:
         if (k // 128) % (k_warps * unroll):
             continue
-        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, k_warps, wps)
-        calls = [functools.partial(gemv_pairs_mma, x, s["w"], s["qzeros"], s["scales"], GROUP, 1, cfg, tiled=tiled) for s in sets]
+        cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, k_warps, wps, rows=sweep_rows)
+        calls = [functools.partial(gemv_pairs_mma, xs, s["w"], s["qzeros"], s["scales"], GROUP, 1, cfg, tiled=tiled) for s in sets]
         sweep.append((round(timed(calls), 2), f"tiles={tiles} u={cfg.unroll} w={warps} kw={k_warps} wps={wps} split={cfg.split_k}"))
     if sweep:
         sweep.sort()
         row["mma_best"] = sweep[:8]
+        row["sweep_rows"] = sweep_rows
         row["mma_kw1_best"] = [r for r in sweep if "kw=1 " in r[1]][:3]
     print(json.dumps(row), flush=True)
 
@@ -116,6 +119,7 @@ def main() -> None:
     parser.add_argument("--layout", default="tiles", choices=("tiles", "pairs"), help="the MMA kernels' weight layout")
     parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
                         help="run once per value of a module attribute, e.g. kernels.triton_int4_mma_gemv.WARP_SPLIT=1,8")
+    parser.add_argument("--sweep-rows", type=int, default=1, help="rows of x (1-8) the config sweep runs at")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)
@@ -127,7 +131,7 @@ def main() -> None:
         for name in args.shapes.split(","):
             k, n = SHAPES[name]
             rows = tuple(int(r) for r in args.rows.split(",") if r)
-            shape_row(name, k, n, bandwidth, args.quick, rows, args.layout, setting)
+            shape_row(name, k, n, bandwidth, args.quick, rows, args.layout, setting, args.sweep_rows)
             torch.cuda.empty_cache()
 
 

@@ -84,6 +84,9 @@ WARP_SPLIT = 8
 WARPS_PER_SM = 16
 # ... and from this many warps an SM a warp loads one block a step, not two (lm_head: 60).
 UNROLL_ONE_WARPS = 20
+# pick_mma_gemv_config at 2-8 rows of x (four accumulators a lane): at most this many warps a
+# tile (down at 2 rows: 8 warps 14.5 us, 4 warps 12.8; session 17).
+ROWS_WARP_SPLIT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,24 +270,23 @@ def pick_mma_gemv_config(
     k_warps: int | None = None, warps_per_sm: int = WARPS_PER_SM, silu_mul: bool = False, rows: int = 1,
 ) -> MmaGemvConfig:  # fmt: skip
     """A config for N weight rows (with `silu_mul`, [gate | up]'s) and K inputs on `num_sms`
-    SMs, from benchmarks/bench_int4_mma_gemv.py's sweep over llama-3.1-8b's shapes on the
-    H200 (docs/benchmarks.md). Its 16-row tiles get `k_warps` warps each (None: doubled up to
-    WARP_SPLIT while the tiles' warps are fewer than `warps_per_sm` an SM), then K is split
-    over programs until about that many warps an SM (at least MIN_SPLIT ranges). `unroll`
-    None: two blocks a warp and step, or one from UNROLL_ONE_WARPS warps an SM (the warps
-    then hide the loads) and for 2-8 `rows` of x over split tiles (down at 2 rows, 8 warps a
-    tile: 16.2 us with two, 14.5 with one). `num_warps` None: k_warps, at least 4; with
-    silu_mul at least two tiles a program (its gate and up halves)."""
+    SMs and `rows` of x, from benchmarks/bench_int4_mma_gemv.py's sweeps over llama-3.1-8b's
+    shapes on the H200 (docs/benchmarks.md). Its 16-row tiles get `k_warps` warps each (None:
+    doubled up to WARP_SPLIT, ROWS_WARP_SPLIT at 2-8 rows, while the tiles' warps are fewer
+    than `warps_per_sm` an SM), then K is split over programs until about that many warps an
+    SM (at least MIN_SPLIT ranges). `unroll` None: two blocks a warp and step, or one from
+    UNROLL_ONE_WARPS warps an SM (the warps then hide the loads). `num_warps` None: k_warps,
+    at least 4; with silu_mul at least two tiles a program (its gate and up halves)."""
     num_tiles = triton.cdiv(n, 16)
     if k_warps is None:
-        k_warps, most = 1, WARP_SPLIT // (2 if silu_mul else 1)
+        k_warps, most = 1, (WARP_SPLIT if rows == 1 else min(WARP_SPLIT, ROWS_WARP_SPLIT)) // (2 if silu_mul else 1)
         while 2 * k_warps <= most and num_tiles * k_warps < warps_per_sm * num_sms and (k // ROW_BLOCK) % (2 * k_warps) == 0:
             k_warps *= 2
     if num_warps is None:
         num_warps = max(4, k_warps * (2 if silu_mul else 1))
     warps = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps, k_warps).block_n) * num_warps
     if unroll is None:
-        unroll = 1 if warps >= UNROLL_ONE_WARPS * num_sms or (rows > 1 and k_warps > 1) else 2
+        unroll = 1 if warps >= UNROLL_ONE_WARPS * num_sms else 2
     unroll, split_k = split_steps(k // k_warps, unroll, warps, num_sms, warps_per_sm, MIN_SPLIT)
     return MmaGemvConfig(tiles, unroll, split_k, num_warps, k_warps)
 

@@ -80,9 +80,12 @@ print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code),
     ("tiles", "unroll", "warps", "fp16", "silu", "multi", "tiled", "k_warps"),
     [
         (1, 2, 4, 0, 0, 0, 0, 1), (2, 1, 2, 1, 0, 0, 0, 1), (1, 1, 8, 0, 1, 0, 0, 1), (1, 2, 4, 0, 0, 1, 0, 1),
-        (1, 2, 4, 0, 1, 0, 1, 1), (1, 2, 4, 0, 0, 0, 1, 4), (2, 1, 8, 0, 0, 1, 1, 2),
+        (1, 2, 4, 0, 1, 0, 1, 1), (1, 1, 8, 0, 0, 0, 1, 8), (2, 1, 8, 0, 0, 1, 1, 2), (1, 2, 4, 0, 0, 1, 1, 4),
     ],
-    ids=["default", "two-tiles-fp16", "eight-warps-silu", "rows", "tiles-layout-silu", "k-warps", "k-warps-rows"],
+    ids=[
+        "default", "two-tiles-fp16", "eight-warps-silu", "rows", "tiles-layout-silu", "k-warps", "k-warps-rows",
+        "k-warps-rows-default",
+    ],
 )
 def test_sm90_operands_sit_in_their_lanes(
     tiles: int, unroll: int, warps: int, fp16: int, silu: int, multi: int, tiled: int, k_warps: int
@@ -139,8 +142,8 @@ def test_pick_splits_k_over_a_tiles_warps_then_over_programs() -> None:
     assert pick_mma_gemv_config(4096, 384, 132, k_warps=1).unroll == 1  # 3 blocks: 2 does not divide them
     assert pick_mma_gemv_config(128256, 4096, 132).unroll == 1  # lm_head's 8016 warps: one block a step
     assert pick_mma_gemv_config(128256, 4096, 132, unroll=2).unroll == 2  # asked for
-    assert pick_mma_gemv_config(4096, 4096, 132, rows=2).unroll == 1  # 2-8 rows over split tiles: one
-    assert pick_mma_gemv_config(4096, 4096, 132, rows=2, k_warps=1).unroll == 2
+    rows = pick_mma_gemv_config(4096, 4096, 132, rows=2)
+    assert (rows.k_warps, rows.num_warps, rows.unroll, rows.split_k) == (4, 4, 2, 2)  # 2-8 rows: 4 warps a tile
 
 
 # --- On a GPU
