@@ -113,10 +113,10 @@ def _offset(words, shift, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr):
 
 @triton.jit
 def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N,
-                  GROUP_BLOCKS: tl.constexpr, UNROLL: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr,
+                  GROUP_BLOCKS: tl.constexpr, STEP: tl.constexpr, ZERO_OFFSET: tl.constexpr, FP16: tl.constexpr,
                   TILED: tl.constexpr):  # fmt: skip
-    """A step's weights: both rows' words, their -(OFFSET + zero) and scales."""
-    group = (step * UNROLL + block) // GROUP_BLOCKS
+    """A step's weights (STEP blocks of the tile): both rows' words, their -(OFFSET + zero) and scales."""
+    group = (step * STEP + block) // GROUP_BLOCKS
     zero_row = group * (N // 8)
     BLOCK_WORDS: tl.constexpr = 256 if TILED else 16  # a block's words for one lane
     if TILED:  # tiles: rows g and g + 8 of a tile are zero words 2r and 2r + 1, one 8-byte load
@@ -127,18 +127,18 @@ def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_
         off_lo = _offset(tl.load(qzeros_ptr + zero_row + row_lo // 8), (row_lo % 8) * 4, ZERO_OFFSET, FP16)
         off_hi = _offset(tl.load(qzeros_ptr + zero_row + row_hi // 8), (row_hi % 8) * 4, ZERO_OFFSET, FP16)
     return (
-        tl.load(words_lo + step * BLOCK_WORDS * UNROLL), tl.load(words_hi + step * BLOCK_WORDS * UNROLL), off_lo, off_hi,
+        tl.load(words_lo + step * BLOCK_WORDS * STEP), tl.load(words_hi + step * BLOCK_WORDS * STEP), off_lo, off_hi,
         tl.load(scales_ptr + group * N + row_lo).to(tl.float32), tl.load(scales_ptr + group * N + row_hi).to(tl.float32),
     )  # fmt: skip
 
 
 @triton.jit
-def _load_x(step, x_pairs, x_share, UNROLL: tl.constexpr, MULTI: tl.constexpr):
+def _load_x(step, x_pairs, x_share, STEP: tl.constexpr, MULTI: tl.constexpr):
     """A step's x: pairs 16p + 4t + c of each block, p = 0..3 ([T, 4] each), and at one row
     the lane's share of the block sum ([T, 2]; with MULTI a placeholder, unread)."""
-    xk = x_pairs + step * 64 * UNROLL
+    xk = x_pairs + step * 64 * STEP
     xa = tl.load(xk)
-    share = xa if MULTI else tl.load(x_share + step * 64 * UNROLL)
+    share = xa if MULTI else tl.load(x_share + step * 64 * STEP)
     return xa, tl.load(xk + 16), tl.load(xk + 32), tl.load(xk + 48), share
 
 
