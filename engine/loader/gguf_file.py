@@ -3,6 +3,7 @@ dequantized with the `gguf` package and renamed to HF names."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,10 +38,20 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def _reader(path: Path) -> Any:
+    """The file's GGUFReader, parsed once per process while the file is unchanged: the config
+    (`gguf_hf_config`) and the weights (`gguf_weights`) read the same one, and every engine
+    of a process (tests, several LLMs) too. A parse reads every metadata field; the bundled
+    model's 49k-token vocabulary and merges make that seconds."""
+    stat = path.stat()
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, mtime_ns: int, size: int) -> Any:
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises bare ValueError/struct errors on damaged files
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e}); re-download or re-install it") from e
 
