@@ -91,12 +91,13 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
             for silu in (False, True):
                 consts = dict(
                     FP8=fmt == "fp8", HAS_BIAS=False, EVEN_K=True, BLOCK_N=2 if silu else 4, BLOCK_K=2048,
-                    INT8_PTX=True, PDL=True, SILU_MUL=silu, LANE_SUMS=lane_sums,
+                    INT8_PTX=True, PDL=True, SILU_MUL=silu, LANE_SUMS=lane_sums, EARLY_TRIGGER=not silu, LATE_TRIGGER=silu,
                 )  # fmt: skip
                 name = f"{fmt} GEMV, {'lane' if lane_sums else 'row'} sums{', SiLU fused' if silu else ''}"
                 out.append((name, triton_gemv._gemv_w8_kernel, W8_SIGNATURE, consts, 4 * 2048 // 128, 4))
     for silu in (False, True):
-        consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu)
+        consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu,
+                      EARLY_TRIGGER=not silu, LATE_TRIGGER=silu)
         name = f"bf16 GEMV{', SiLU fused' if silu else ''}"
         out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128, 4))
     for layout in ("rows", "pairs", "pairs, x2 math"):
@@ -112,6 +113,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
         consts = dict(
             GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False, MULTI=multi,
             ASM=int4_mma_ptx.ASM[False, multi], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[multi], TILED=layout == "tiles",
+            LATE_TRIGGER=True, K_WARPS=1,
         )  # fmt: skip
         name = f"INT4 {layout} MMA GEMV, 64 outputs, 4 warps{', 2-8 rows of x' if multi else ''}"
         out.append((name, triton_int4_mma_gemv._mma_gemv_kernel, MMA_SIGNATURE, consts, 64 * 256 // (32 * 4), 4))
