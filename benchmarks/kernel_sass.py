@@ -91,13 +91,13 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
             for silu in (False, True):
                 consts = dict(
                     FP8=fmt == "fp8", HAS_BIAS=False, EVEN_K=True, BLOCK_N=2 if silu else 4, BLOCK_K=2048,
-                    INT8_PTX=True, PDL=True, SILU_MUL=silu, LANE_SUMS=lane_sums, EARLY_TRIGGER=not silu, LATE_TRIGGER=silu,
+                    INT8_PTX=True, PDL=True, SILU_MUL=silu, LANE_SUMS=lane_sums, LATE_TRIGGER=silu,
                 )  # fmt: skip
                 name = f"{fmt} GEMV, {'lane' if lane_sums else 'row'} sums{', SiLU fused' if silu else ''}"
                 out.append((name, triton_gemv._gemv_w8_kernel, W8_SIGNATURE, consts, 4 * 2048 // 128, 4))
     for silu in (False, True):
         consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu,
-                      EARLY_TRIGGER=not silu, LATE_TRIGGER=silu)
+                      LATE_TRIGGER=silu)
         name = f"bf16 GEMV{', SiLU fused' if silu else ''}"
         out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128, 4))
     for layout in ("rows", "pairs", "pairs, x2 math"):

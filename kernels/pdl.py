@@ -55,15 +55,6 @@ ENABLED = os.environ.get("VLLM_CLUSTER_PDL", "1") != "0"
 SILU_MUL_LATE_TRIGGER = True
 
 
-def gemv_triggers(silu_mul: bool, late: bool) -> tuple[bool, bool]:
-    """(at its start, after its weight loop): where a bf16 or 1-byte GEMV lets the next kernel
-    launch. With SiLU-and-mul after the loop or never (SILU_MUL_LATE_TRIGGER); otherwise at its
-    start, or after its loop where its module says `late` (its LATE_TRIGGER)."""
-    if silu_mul:
-        return False, SILU_MUL_LATE_TRIGGER
-    return not late, late
-
-
 @functools.cache
 def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)

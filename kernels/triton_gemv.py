@@ -38,9 +38,6 @@ GEMV_MAX_ROWS = 4
 # no barrier in the loop (benchmarks/kernel_sass.py, compiled for sm_90 without a GPU), and
 # the llama-3.1-8b batch-1 step 34 us faster on fp8, 53 on int8 (docs/benchmarks.md).
 LANE_SUMS = True
-# Without SiLU-and-mul the GEMV lets the kernel after launch once its weight loop is done
-# (True) or as it starts (False); kernels/pdl.py.
-LATE_TRIGGER = False
 
 
 @triton.jit
@@ -112,12 +109,12 @@ def _gemv_w8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr,
-    LANE_SUMS: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    LANE_SUMS: tl.constexpr, LATE_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """SILU_MUL: w is [gate | up] ([2N, K]); the program sums gate rows n and up rows N + n
     and writes silu(gate) * up ([M, N]). LANE_SUMS: keep per-thread partial sums across tiles
     and reduce across threads once, at the end (the module's LANE_SUMS says why)."""
-    if PDL and EARLY_TRIGGER:  # the norm or rotary after it may launch (kernels/pdl.py)
+    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
         gdc_launch_dependents()
     row = tl.program_id(0)
     w_idx, mask_w = weight_rows(tl.program_id(1), N, BLOCK_N, SILU_MUL)
@@ -130,7 +127,7 @@ def _gemv_w8_kernel(
     for k0 in range(BLOCK_K, K, BLOCK_K):
         bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")
         acc += _tile_sum(bits, x_row, k0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
-    if PDL and LATE_TRIGGER:  # its weights read (pdl.gemv_triggers)
+    if PDL and LATE_TRIGGER:  # pdl.SILU_MUL_LATE_TRIGGER
         gdc_launch_dependents()
     if LANE_SUMS:
         acc = tl.sum(acc, axis=1)
@@ -180,14 +177,13 @@ def gemv_w8(
     block_k = min(block_k or default_k, triton.next_power_of_2(k))
     grid = (m, triton.cdiv(n, block_n))
     use_pdl = pdl.enabled(x)
-    early, late = pdl.gemv_triggers(silu_mul, LATE_TRIGGER)
     _gemv_w8_kernel[grid](
         x, qweight.view(torch.uint8), scale, bias if bias is not None else scale, y,
         n, k, x.stride(0), qweight.stride(0), y.stride(0),
         FP8=qweight.dtype == torch.float8_e4m3fn, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, SILU_MUL=silu_mul,
         LANE_SUMS=(LANE_SUMS if lane_sums is None else lane_sums) and block_k >= 16,
-        EARLY_TRIGGER=early, LATE_TRIGGER=late,
+        LATE_TRIGGER=silu_mul and pdl.SILU_MUL_LATE_TRIGGER,
         num_warps=num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

@@ -24,9 +24,6 @@ from kernels.triton_ops import silu_times
 BLOCK_N = 2
 MAX_BLOCK_K = 1024
 TWO_FIRST = True
-# Without SiLU-and-mul the GEMV lets the kernel after launch once its weight loop is done
-# (True) or as it starts (False); kernels/pdl.py.
-LATE_TRIGGER = False
 
 
 @triton.jit
@@ -83,10 +80,9 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     TWO_FIRST: tl.constexpr,
     SILU_MUL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr = False,
     LATE_TRIGGER: tl.constexpr = False,
 ):
-    if PDL and EARLY_TRIGGER:  # the norm or rotary after it may launch (kernels/pdl.py)
+    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
         gdc_launch_dependents()
     rn, n_mask = weight_rows(tl.program_id(0), N, BLOCK_N, SILU_MUL)
     rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
@@ -102,7 +98,7 @@ def _gemv_kernel(
     for k0 in range(BLOCK_K * (2 if TWO_FIRST else 1), K, BLOCK_K):
         w = _load_k(rows, k0 + rk, K, EVEN_K)
         acc += w.to(tl.float32) * _load_k(x_ptr, k0 + rk, K, EVEN_K).to(tl.float32)[None, :]
-    if PDL and LATE_TRIGGER:  # its weights read (pdl.gemv_triggers)
+    if PDL and LATE_TRIGGER:  # pdl.SILU_MUL_LATE_TRIGGER
         gdc_launch_dependents()
     y = tl.sum(acc, axis=1)  # [rows]
     if HAS_BIAS:
@@ -124,7 +120,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
     use_pdl = pdl.enabled(x)
-    early, late = pdl.gemv_triggers(silu_mul, LATE_TRIGGER)
     block_n = BLOCK_N // 2 if silu_mul else BLOCK_N  # gate and up rows: the same tile
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -141,8 +136,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_
         PDL=use_pdl,
         TWO_FIRST=TWO_FIRST and k % block_k == 0 and k >= 2 * block_k,
         SILU_MUL=silu_mul,
-        EARLY_TRIGGER=early,
-        LATE_TRIGGER=late,
+        LATE_TRIGGER=silu_mul and pdl.SILU_MUL_LATE_TRIGGER,
         num_warps=4,
         launch_pdl=use_pdl,
     )
