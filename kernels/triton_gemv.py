@@ -38,6 +38,10 @@ GEMV_MAX_ROWS = 4
 # no barrier in the loop (benchmarks/kernel_sass.py, compiled for sm_90 without a GPU), and
 # the llama-3.1-8b batch-1 step 34 us faster on fp8, 53 on int8 (docs/benchmarks.md).
 LANE_SUMS = True
+# Weight rows a program reads (pick_blocks; half with SiLU-and-mul, gate and up rows). In
+# the fp8 batch-1 step on the H200: 2 rows 2.437 ms, 4 rows 2.389, 8 rows 2.533 (one call;
+# docs/benchmarks.md, session 18).
+TILE_N = 4
 
 
 @triton.jit
@@ -140,7 +144,7 @@ def _gemv_w8_kernel(
 def pick_blocks(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): the best of a sweep on llama-3.1-8b's four shapes on the H200 in
     CUDA-graph timing (docs/benchmarks.md), 4 x 2048 for each; K under 2048 takes one tile."""
-    return 4, min(2048, triton.next_power_of_2(k))
+    return TILE_N, min(2048, triton.next_power_of_2(k))
 
 
 def gemv_w8(

@@ -75,11 +75,9 @@ MIN_SPLIT = 1
 # programs sum their splits and store; or not at all (False: it launches as the last
 # program exits). True: gptq-lm-head batch-1 1.997 -> 1.867 ms on the H200
 # (docs/benchmarks.md, session 16). Earlier is worse: at the loop's last step 1.967 against
-# 1.865 in one call; at the start +490 us (session 7, the x2 GEMV).
+# 1.865 in one call; at the start +490 us (session 7, the x2 GEMV), and with this kernel, for
+# qkv, o and down, 1.722 -> 1.746 ms (session 18, commit bda6b60's EARLY_TRIGGER).
 LATE_TRIGGER = True
-# ... or, without SiLU-and-mul, as it starts (True), as the bf16 and 1-byte GEMVs do
-# (kernels/pdl.py).
-EARLY_TRIGGER = False
 # pick_mma_gemv_config: the most warps that split a tile's K, their sums meeting in shared
 # memory (1: none; K split over programs only, their partials meeting in global memory).
 WARP_SPLIT = 8
@@ -163,7 +161,7 @@ def _mma_gemv_kernel(
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
     CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
-    K_WARPS: tl.constexpr = 1, EARLY_TRIGGER: tl.constexpr = False,
+    K_WARPS: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS / K_WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -175,8 +173,6 @@ def _mma_gemv_kernel(
     K_WARPS: warps w and w + 1 .. share tiles (numbered w // K_WARPS), each step's K_WARPS *
     UNROLL blocks shared out UNROLL to a warp (w % K_WARPS); their sums meet in shared memory
     at the end, not through a split's round trip to global memory."""
-    if PDL and EARLY_TRIGGER:
-        gdc_launch_dependents()
     T: tl.constexpr = UNROLL * TILES * WARPS * 32
     NT: tl.constexpr = TILES * WARPS // K_WARPS  # the program's tiles
     BLOCK_N: tl.constexpr = 16 * NT
@@ -335,7 +331,6 @@ def gemv_pairs_mma(
     workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     use_pdl = pdl.enabled(x)
     fp16, multi = x.dtype == torch.float16, m > 1
-    early = EARLY_TRIGGER and not silu_mul  # gate_up's successor is down: its weights would compete
     _mma_gemv_kernel[(1, num_blocks_n, config.split_k)](
         x, qweight, qzeros, scales, workspace, semaphores("int4_mma_gemv", x.device, num_blocks_n), y,
         m, n, k, x.stride(0), y.stride(0), qweight.stride(0), config.split_k,
@@ -343,6 +338,6 @@ def gemv_pairs_mma(
         GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
-        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER and not early, EARLY_TRIGGER=early, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
+        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
