@@ -20,11 +20,11 @@ except the gate_up GEMV with SiLU-and-mul fused, whose successor is the down GEM
 down launch only once its own weight loop is done (at its start, down's early weight loads
 competed with gate_up's: int8 +30 us a step). The INT4 GEMV at 1-8 rows
 (kernels/triton_int4_mma_gemv.py) does the same for every projection: at its start it cost
-gptq 490 us a step (session 7), after its weight loop it saves 150 (session 16); the bf16 and
-1-byte GEMVs are the other way round (after their loop: +0.13 ms a step for bf16 and fp8,
-session 18); the other INT4 kernels never let theirs launch early. So while a GEMV streams, the norm or rotary
-after it is resident, waiting, and the GEMV after that is loading weights while the norm
-runs.
+gptq 490 us a step (session 7), after its weight loop it saves 150 (session 16); the bf16
+and 1-byte GEMVs are the other way round (after their loop: +0.13 ms a step for bf16 and
+fp8, session 18); the other INT4 kernels never let theirs launch early. So while a GEMV
+streams, the norm or rotary after it is resident, waiting, and the GEMV after that is
+loading weights while the norm runs.
 
 Correctness never rests on the early start: before its wait a kernel writes nothing and
 reads only what no kernel of the chain writes (weights; for the decode attention that
