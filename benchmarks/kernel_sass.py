@@ -28,7 +28,8 @@ from triton.backends.compiler import GPUTarget
 from kernels import int4_mma_ptx, triton_gemv, triton_int4_mma_gemv, triton_int4_rows, triton_linear
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-NOT_DIVISIBLE = {"split_k", "M"}  # run-time values a launch does not specialise (1, 2, 3, ...)
+# run-time values a launch does not specialise (1, 2, 3, ...)
+NOT_DIVISIBLE = {"split_k", "M", "eps", "num_programs"}
 _OP = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
@@ -64,10 +65,15 @@ def main_loop(code: str) -> collections.Counter[str]:
     return collections.Counter(m.group(3) for line in lines[loop[0] : loop[1] + 1] if (m := _OP.match(line)))
 
 
+# The add + norm epilogue's arguments (kernels/triton_add_norm.py), after each GEMV's own.
+EPILOGUE_SIGNATURE = {
+    "residual_ptr": "*bf16", "h_ptr": "*bf16", "norm_weight_ptr": "*bf16", "normed_ptr": "*bf16",
+    "norm_lock_ptr": "*i32", "eps": "fp32", "num_programs": "i32",
+}  # fmt: skip
 W8_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",
     "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-}  # fmt: skip
+} | EPILOGUE_SIGNATURE  # fmt: skip
 INT4_SIGNATURE = {
     "x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*bf16", "bias_ptr": "*bf16",
     "ws_ptr": "*fp32", "lock_ptr": "*i32", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_qn": "i32",
@@ -77,8 +83,10 @@ MMA_SIGNATURE = {
     "x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*bf16", "ws_ptr": "*fp32",
     "lock_ptr": "*i32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
     "stride_qn": "i32", "split_k": "i32",
-}  # fmt: skip
-BF16_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}
+} | EPILOGUE_SIGNATURE  # fmt: skip
+BF16_SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+} | EPILOGUE_SIGNATURE  # fmt: skip
 
 
 def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:

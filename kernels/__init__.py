@@ -9,16 +9,21 @@ caches ignore the scales.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels import torch_ops
 from kernels.metadata import AttentionMetadata
 
 __all__ = [
+    "AddNorm",
     "AttentionMetadata",
     "fused_add_rms_norm",
     "int4_gemm",
+    "int4_gemm_add_norm",
     "linear",
+    "linear_add_norm",
     "linear_silu_mul",
     "paged_attention",
     "rotary_embedding",
@@ -116,6 +121,33 @@ def fused_add_rms_norm(
     return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
 
 
+# Whether a batch-1 GEMV followed by the residual add and RMS norm (o_proj, down_proj) does
+# them as it stores its output (kernels/triton_add_norm.py); False: the norm's own launch.
+ADD_NORM_EPILOGUE = True
+
+
+@dataclass(frozen=True)
+class AddNorm:
+    """`fused_add_rms_norm(y, residual, weight, eps)` of a linear's output y: the batch-1 GEMVs
+    do it as they store y (kernels/triton_add_norm.py), other paths after the linear."""
+
+    residual: torch.Tensor  # [T, N]
+    weight: torch.Tensor  # [N]
+    eps: float
+
+    def in_epilogue(self, x: torch.Tensor) -> bool:
+        """Whether a GEMV of x ([T, K]) may take it: one row on CUDA, one dtype throughout."""
+        return (
+            ADD_NORM_EPILOGUE and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.residual.dim() == 2
+            and self.residual.is_contiguous() and self.weight.is_contiguous()
+            and self.residual.dtype == self.weight.dtype == x.dtype
+        )  # fmt: skip
+
+    def after(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, h) of the linear's output y, in launches of their own."""
+        return fused_add_rms_norm(y, self.residual, self.weight, self.eps)
+
+
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +213,18 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return silu_and_mul(linear(x, weight, bias))
 
 
+def linear_add_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm.after(linear(x, weight, bias))`: (normed, h); where `linear` runs the GEMV, in its
+    one launch (the sum of squares may be added in another order)."""
+    if _takes_gemv(x, weight) and add_norm.in_epilogue(x):
+        from kernels import triton_linear
+
+        return triton_linear.gemv_add_norm(x, weight, bias, add_norm)
+    return add_norm.after(linear(x, weight, bias))
+
+
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.is_cuda
@@ -231,3 +275,26 @@ def int4_gemm(
     from kernels import triton_int4_gemm
 
     return triton_int4_gemm.int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset)
+
+
+def int4_gemm_add_norm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    layout: str,
+    zero_offset: int,
+    add_norm: AddNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm.after(int4_gemm(...))`: (normed, h); on the pairs and tiles layouts at one row
+    on CUDA, in the MMA GEMV's one launch."""
+    if layout in ("pairs", "tiles") and x.is_cuda and g_idx is None:
+        from kernels import triton_int4_gemm, triton_int4_mma
+
+        num_sms = triton_int4_gemm._num_sms(x.device)
+        return triton_int4_mma.int4_gemm_pairs_add_norm(
+            x, qweight, qzeros, scales, group_size, zero_offset, num_sms, layout == "tiles", add_norm
+        )
+    return add_norm.after(int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset))

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import AddNorm
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_AMAX = 1e-12  # the same floor as kernels/triton_fp8_quant.py
 # The CPU paths dequantize the weight this many elements at a time, so the dequantized
@@ -133,6 +135,23 @@ def w8_linear_silu_mul(
     from kernels import silu_and_mul
 
     return silu_and_mul(linear(x, qweight, scale, bias))
+
+
+def w8_linear_add_norm(
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    add_norm: AddNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm.after(linear(x, qweight, scale, bias))` (linear: int8_linear or fp8_linear):
+    (normed, h); at one row on CUDA, where both run the 1-byte GEMV, in its one launch."""
+    if add_norm.in_epilogue(x):
+        from kernels.triton_gemv import gemv_w8_add_norm
+
+        return gemv_w8_add_norm(x, qweight, scale, bias, add_norm)
+    return add_norm.after(linear(x, qweight, scale, bias))
 
 
 def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels import pdl
+from kernels import AddNorm, pdl
 from kernels import triton_int4_mma_gemv as mma_gemv
 from kernels.int4_rows import pairs_shape
 from kernels.semaphores import reduce_splits, semaphores
@@ -319,3 +319,18 @@ def int4_gemm_pairs(
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
         return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
     return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms), tiled)
+
+
+def int4_gemm_pairs_add_norm(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+    zero_offset: int, num_sms: int, tiled: bool, add_norm: AddNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`add_norm.after(int4_gemm_pairs(...))`: (normed, h); in the MMA GEMV's one launch where
+    it takes the row (kernels/triton_add_norm.py)."""
+    m, k = x.shape
+    group = k if group_size == -1 else group_size
+    if m == 1 and not ONE_ROW_ON_TL_DOT and mma_gemv.supported(x, group) and add_norm.in_epilogue(x):
+        n, _ = pairs_shape(qweight)
+        config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
+        return mma_gemv.gemv_pairs_mma_add_norm(x, qweight, qzeros, scales, group, zero_offset, config, tiled, add_norm)
+    return add_norm.after(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms, tiled=tiled))

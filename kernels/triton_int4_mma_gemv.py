@@ -57,10 +57,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import pdl
+from kernels import AddNorm, pdl
 from kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
 from kernels.int4_rows import ROW_BLOCK, pairs_shape
 from kernels.semaphores import semaphores, sum_splits
+from kernels.triton_add_norm import launch_args, store_add_norm
 from kernels.triton_int4_rows import split_steps
 from kernels.triton_linear import store_outputs
 
@@ -157,11 +158,12 @@ def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
 @triton.jit
 def _mma_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, ws_ptr, lock_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, split_k, GROUP_BLOCKS: tl.constexpr,
+    M, N, K, stride_xm, stride_ym, stride_qn, split_k, residual_ptr, h_ptr, norm_weight_ptr, normed_ptr, norm_lock_ptr,
+    eps, num_programs, GROUP_BLOCKS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
-    CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
-    K_WARPS: tl.constexpr = 1,
+    CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False, K_WARPS: tl.constexpr = 1,
+    ADD_NORM: tl.constexpr = False, BLOCK_D: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS / K_WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -172,7 +174,8 @@ def _mma_gemv_kernel(
     pairs and sums rows 2t and 2t + 1 (one row: every lane reads row 0 and keeps column 0).
     K_WARPS: warps w and w + 1 .. share tiles (numbered w // K_WARPS), each step's K_WARPS *
     UNROLL blocks shared out UNROLL to a warp (w % K_WARPS); their sums meet in shared memory
-    at the end, not through a split's round trip to global memory."""
+    at the end, not through a split's round trip to global memory. ADD_NORM (one row): store
+    h = y + residual and weight * rms_norm(h), not y (kernels/triton_add_norm.py)."""
     T: tl.constexpr = UNROLL * TILES * WARPS * 32
     NT: tl.constexpr = TILES * WARPS // K_WARPS  # the program's tiles
     BLOCK_N: tl.constexpr = 16 * NT
@@ -255,7 +258,14 @@ def _mma_gemv_kernel(
         hi_sums = tl.sum(tl.where(first_t, _tile_sums(acc1, UNROLL, NT, K_WARPS), 0.0), axis=2)
         partial = tl.reshape(tl.permute(tl.join(lo_sums, hi_sums), (0, 2, 1)), (BLOCK_N,))  # output tile * 16 + 8h + g
         total, is_last = sum_splits(partial[:, None], tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
-        store_outputs(tl.reshape(total, (BLOCK_N,)), y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
+        if ADD_NORM:
+            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            store_add_norm(
+                tl.reshape(total, (BLOCK_N,)), offs_n, offs_n < N, residual_ptr, h_ptr, norm_weight_ptr, normed_ptr,
+                norm_lock_ptr, eps, num_programs, N, BLOCK_D, is_last,
+            )  # fmt: skip
+        else:
+            store_outputs(tl.reshape(total, (BLOCK_N,)), y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
 
 
 @triton.jit
@@ -300,6 +310,17 @@ def supported(x: torch.Tensor, group_size: int) -> bool:
     )  # fmt: skip
 
 
+def gemv_pairs_mma_add_norm(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+    zero_offset: int, config: MmaGemvConfig, tiled: bool, add_norm: AddNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`gemv_pairs_mma` of one row with the add + norm epilogue (kernels/triton_add_norm.py):
+    (normed, h)."""
+    _, outputs = _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, False, tiled, add_norm)
+    assert outputs is not None
+    return outputs
+
+
 def gemv_pairs_mma(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -315,6 +336,14 @@ def gemv_pairs_mma(
     tiled: the tiles layout [N/16, K/128, 256], kernels/int4_rows.py) -> [M, N] in x's dtype; group_size: inputs per group, a multiple of 128 (K for one
     group). silu_mul (one row): the weight is [gate | up] and the result silu(gate) * up,
     [1, N / 2], rounded as `silu_and_mul` of the plain result."""
+    return _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, silu_mul, tiled, None)[0]
+
+
+def _gemv_pairs_mma(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+    zero_offset: int, config: MmaGemvConfig, silu_mul: bool, tiled: bool, add_norm: AddNorm | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
+    """gemv_pairs_mma -> (y, None), or with add_norm (y unwritten, (normed, h))."""
     x = x.contiguous()
     m = x.shape[0]
     n, k = pairs_shape(qweight)
@@ -329,6 +358,8 @@ def gemv_pairs_mma(
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     num_blocks_n = triton.cdiv(n_out, config.block_n // 2 if silu_mul else config.block_n)
     workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+    assert not (silu_mul and add_norm), "SiLU-and-mul has no add + norm epilogue"
+    epilogue, outputs = launch_args(add_norm, x, y, num_blocks_n)
     use_pdl = pdl.enabled(x)
     fp16, multi = x.dtype == torch.float16, m > 1
     _mma_gemv_kernel[(1, num_blocks_n, config.split_k)](
@@ -339,5 +370,6 @@ def gemv_pairs_mma(
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
         TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
+        **epilogue,
     )  # fmt: skip
-    return y
+    return y, outputs

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import pdl
+from kernels import AddNorm, pdl
+from kernels.triton_add_norm import launch_args, store_add_norm
 from kernels.triton_ops import silu_times
 
 BLOCK_N = 2
@@ -73,6 +74,13 @@ def _gemv_kernel(
     N,
     K,
     stride_wn,
+    residual_ptr,
+    h_ptr,
+    norm_weight_ptr,
+    normed_ptr,
+    norm_lock_ptr,
+    eps,
+    num_programs,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -81,7 +89,11 @@ def _gemv_kernel(
     TWO_FIRST: tl.constexpr,
     SILU_MUL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr = False,
+    ADD_NORM: tl.constexpr = False,
+    BLOCK_D: tl.constexpr = 1,
 ):
+    """ADD_NORM: store h = y + residual and normed = weight * rms_norm(h), not y
+    (kernels/triton_add_norm.py)."""
     if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
         gdc_launch_dependents()
     rn, n_mask = weight_rows(tl.program_id(0), N, BLOCK_N, SILU_MUL)
@@ -103,7 +115,13 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)  # [rows]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    store_outputs(y, y_ptr, tl.program_id(0), N, BLOCK_N, SILU_MUL)
+    if ADD_NORM:
+        store_add_norm(
+            y, rn, n_mask, residual_ptr, h_ptr, norm_weight_ptr, normed_ptr, norm_lock_ptr, eps, num_programs, N,
+            BLOCK_D,
+        )  # fmt: skip
+    else:
+        store_outputs(y, y_ptr, tl.program_id(0), N, BLOCK_N, SILU_MUL)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
@@ -111,6 +129,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_
     silu_mul: the weight is [gate | up] and the result silu(gate) * up, [1, N / 2], as
     `silu_and_mul` of the plain result (the same roundings; the fp32 sums may be added in
     another order)."""
+    return _gemv(x, weight, bias, silu_mul, None)[0]
+
+
+def gemv_add_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv` with the add + norm epilogue (kernels/triton_add_norm.py): (normed, h)."""
+    _, outputs = _gemv(x, weight, bias, False, add_norm)
+    assert outputs is not None
+    return outputs
+
+
+def _gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, add_norm: AddNorm | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """gemv -> (y, None), or with add_norm (y unwritten, (normed, h))."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1, f"one contiguous row, got {tuple(x.shape)}"
     n, k = weight.shape
     assert x.shape[1] == k and weight.stride(1) == 1, f"x {tuple(x.shape)} against weight {tuple(weight.shape)}"
@@ -121,7 +155,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_
     block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
     use_pdl = pdl.enabled(x)
     block_n = BLOCK_N // 2 if silu_mul else BLOCK_N  # gate and up rows: the same tile
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    assert not (silu_mul and add_norm), "SiLU-and-mul has no add + norm epilogue"
+    num_programs = triton.cdiv(n, block_n)
+    epilogue, outputs = launch_args(add_norm, x, y, num_programs)
+    _gemv_kernel[(num_programs,)](
         x,
         weight,
         bias if bias is not None else weight,  # never read without HAS_BIAS
@@ -139,5 +176,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_
         LATE_TRIGGER=silu_mul and pdl.SILU_MUL_LATE_TRIGGER,
         num_warps=4,
         launch_pdl=use_pdl,
+        **epilogue,
     )
-    return y
+    return y, outputs

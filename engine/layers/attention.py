@@ -52,7 +52,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # x: [T, hidden]
+        # x: [T, hidden] -> [T, hidden]
+        return self.o_proj(self.attend(rope, x, kv_cache, meta))
+
+    def attend(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything but o_proj: x [T, hidden] -> the heads' outputs [T, Hq * D]."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -65,7 +69,7 @@ class Attention(nn.Module):
         o = rotary_paged_attention(
             q, k, v, rope.cos, rope.sin, kv_cache, meta, self.scale, self.k_scale, self.v_scale
         )  # [T, Hq, D]
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return o.reshape(-1, self.q_size)
 
 
 def kv_scales(model: nn.Module) -> list[torch.Tensor]:

@@ -1,11 +1,12 @@
-"""RMSNorm, with the residual add fused in (one call per norm site)."""
+"""RMSNorm, with the residual add fused in (one call per norm site), and `add_norm`: a
+projection followed by the norm, in the projection's launch where its batch-1 GEMV can."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels import fused_add_rms_norm
+from kernels import AddNorm, fused_add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -25,3 +26,21 @@ class RMSNorm(nn.Module):
         shape = x.shape
         out, _ = fused_add_rms_norm(x.reshape(-1, shape[-1]), None, self.weight, self.eps)
         return out.view(shape)
+
+
+def add_norm(
+    proj: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm(proj(x), residual)`: (norm(proj(x) + residual), proj(x) + residual). A module with
+    `forward_add_norm` (the dense, fp8, int8 and INT4 linears; the MLP through its down_proj)
+    adds and normalises as its batch-1 GEMV stores (kernels/triton_add_norm.py)."""
+    return project_add_norm(proj, x, AddNorm(residual, norm.weight, norm.eps))
+
+
+def project_add_norm(proj: nn.Module, x: torch.Tensor, spec: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """`spec.after(proj(x))`, through proj's `forward_add_norm` where it has one."""
+    fused = getattr(proj, "forward_add_norm", None)
+    if fused is None:
+        return spec.after(proj(x))
+    out: tuple[torch.Tensor, torch.Tensor] = fused(x, spec)
+    return out

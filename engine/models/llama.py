@@ -7,6 +7,7 @@ cache. No distributed code here: parallelism is applied from outside.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -14,13 +15,13 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.layers.attention import Attention
 from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import RMSNorm, add_norm, project_add_norm
 from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models import mixtral
 from engine.models.config import ModelArchConfig
 from engine.models.kv_scales import kv_scale_targets, per_layer_scale
 from engine.quantization import is_quantized
-from kernels import AttentionMetadata, silu_and_mul
+from kernels import AddNorm, AttentionMetadata, silu_and_mul
 
 
 class MLP(nn.Module):
@@ -31,11 +32,19 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A gate_up layer with forward_silu_mul (dense, fp8, int8, INT4) applies SiLU-and-mul
-        # inside its batch-1 GEMV; LoRA layers are followed by the separate kernel.
+        return self.down_proj(self.act(x))
+
+    def forward_add_norm(self, x: torch.Tensor, spec: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`spec.after(self(x))`, in down_proj's launch where it can (engine/layers/norm.py)."""
+        return project_add_norm(self.down_proj, self.act(x), spec)
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up. A gate_up layer with forward_silu_mul (dense, fp8, int8, INT4)
+        applies SiLU-and-mul inside its batch-1 GEMV; LoRA layers are followed by the separate
+        kernel."""
         fused = getattr(self.gate_up_proj, "forward_silu_mul", None)
-        h = fused(x) if fused is not None else silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(h)
+        out: torch.Tensor = fused(x) if fused is not None else silu_and_mul(self.gate_up_proj(x))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -67,10 +76,33 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) as the layer before left them (x its MLP's output; residual None: x is
+        the embedding) -> this layer's, likewise (pipeline stages pass these on)."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.attention(rope, x, residual, kv_cache, meta)
         return self.mlp(x), residual
+
+    def forward_normed(
+        self,
+        rope: Rope,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input, normed already (input_layernorm of residual) -> (next_norm(out
+        + residual), out + residual), the next layer's (or the final) norm done by down_proj's
+        GEMV where it can, as o_proj's does post_attention_layernorm (engine/layers/norm.py)."""
+        x, residual = self.attention(rope, x, residual, kv_cache, meta)
+        return add_norm(self.mlp, x, residual, next_norm)
+
+    def attention(
+        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the normed x, o_proj, then post_attention_layernorm: (normed, residual)."""
+        o = self.self_attn.attend(rope, x, kv_cache, meta)
+        return add_norm(self.self_attn.o_proj, o, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
@@ -92,14 +124,16 @@ class DecoderModel(nn.Module):
         after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """`after_layer(i)` runs once layer i has written its KV (the prefill role pushes it)."""
-        x = self.embed_tokens(input_ids)  # [T, D]
-        residual = None
+        layers = cast(list[DecoderLayer], list(self.layers))
+        # Each layer ends with the next one's input norm (the last with the final norm), so
+        # that down_proj's GEMV can do it (DecoderLayer.forward_normed).
+        x, residual = layers[0].input_layernorm(self.embed_tokens(input_ids), None)  # [T, D] each
         rope = self.rotary(positions)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for i, (layer, kv_cache, next_norm) in enumerate(zip(layers, kv_caches, next_norms, strict=True)):
+            x, residual = layer.forward_normed(rope, x, residual, kv_cache, meta, next_norm)
             if after_layer is not None:
                 after_layer(i)
-        x, _ = self.norm(x, residual)
         return x
 
 

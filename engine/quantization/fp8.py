@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from engine.quantization.online import OnlineMethod
-from kernels.quant_ops import FP8_MAX, fp8_linear, w8_linear_silu_mul
+from kernels import AddNorm
+from kernels.quant_ops import FP8_MAX, fp8_linear, w8_linear_add_norm, w8_linear_silu_mul
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +64,10 @@ class Fp8Linear(nn.Module):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up_proj: x [T, K] -> silu(gate) * up [T, out_features / 2]
         return w8_linear_silu_mul(fp8_linear, x, self.qweight, self.weight_scale, self.bias)
+
+    def forward_add_norm(self, x: torch.Tensor, add_norm: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        # o_proj, down_proj: x [T, K] -> (normed, h) of the norm after (engine/layers/norm.py)
+        return w8_linear_add_norm(fp8_linear, x, self.qweight, self.weight_scale, self.bias, add_norm)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 (w8a16 decode, w8a8 prefill)"

@@ -262,6 +262,17 @@ class Int4Linear(nn.Module):
         y = self._product(x.reshape(-1, self.in_features), silu_mul=True)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
+    def forward_add_norm(self, x: torch.Tensor, add_norm: kernels.AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_norm.after(self(x)) for o_proj and down_proj: (normed, h) of the norm after, in
+        the MMA GEMV's one launch at a decode row on the pairs and tiles layouts."""
+        if self.bias is not None or x.dim() != 2:
+            return add_norm.after(self(x))
+        g_idx = self.g_idx if self.act_order else None
+        s = self.spec
+        return kernels.int4_gemm_add_norm(
+            x, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset, add_norm
+        )
+
     def _product(self, flat: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         g_idx = self.g_idx if self.act_order else None
         s = self.spec

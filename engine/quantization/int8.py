@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from engine.quantization.online import OnlineMethod
-from kernels.quant_ops import int8_linear, w8_linear_silu_mul
+from kernels import AddNorm
+from kernels.quant_ops import int8_linear, w8_linear_add_norm, w8_linear_silu_mul
 
 INT8_MAX = 127
 
@@ -58,6 +59,10 @@ class Int8Linear(nn.Module):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up_proj: x [T, K] -> silu(gate) * up [T, out_features / 2]
         return w8_linear_silu_mul(int8_linear, x, self.qweight, self.weight_scale, self.bias)
+
+    def forward_add_norm(self, x: torch.Tensor, add_norm: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        # o_proj, down_proj: x [T, K] -> (normed, h) of the norm after (engine/layers/norm.py)
+        return w8_linear_add_norm(int8_linear, x, self.qweight, self.weight_scale, self.bias, add_norm)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
