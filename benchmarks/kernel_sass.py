@@ -29,7 +29,7 @@ from kernels import int4_mma_ptx, triton_gemv, triton_int4_mma_gemv, triton_int4
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # run-time values a launch does not specialise (1, 2, 3, ...)
-NOT_DIVISIBLE = {"split_k", "M", "eps", "num_programs"}
+NOT_DIVISIBLE = {"split_k", "M", "rms_eps"}
 _OP = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
@@ -65,10 +65,10 @@ def main_loop(code: str) -> collections.Counter[str]:
     return collections.Counter(m.group(3) for line in lines[loop[0] : loop[1] + 1] if (m := _OP.match(line)))
 
 
-# The add + norm epilogue's arguments (kernels/triton_add_norm.py), after each GEMV's own.
+# The norm halves' arguments (kernels/triton_add_norm.py), after each GEMV's own.
 EPILOGUE_SIGNATURE = {
-    "residual_ptr": "*bf16", "h_ptr": "*bf16", "norm_weight_ptr": "*bf16", "normed_ptr": "*bf16",
-    "norm_lock_ptr": "*i32", "eps": "fp32", "num_programs": "i32",
+    "residual_ptr": "*bf16", "h_ptr": "*bf16", "norm_weight_ptr": "*bf16", "hg_ptr": "*bf16", "ss_out_ptr": "*fp64",
+    "ss_in_ptr": "*fp64", "rms_eps": "fp32",
 }  # fmt: skip
 W8_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*u8", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",

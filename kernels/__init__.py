@@ -19,9 +19,11 @@ from kernels.metadata import AttentionMetadata
 __all__ = [
     "AddNorm",
     "AttentionMetadata",
+    "Normed",
     "fused_add_rms_norm",
     "int4_gemm",
     "int4_gemm_add_norm",
+    "int4_gemm_normed",
     "linear",
     "linear_add_norm",
     "linear_silu_mul",
@@ -121,31 +123,54 @@ def fused_add_rms_norm(
     return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
 
 
-# Whether a batch-1 GEMV followed by the residual add and RMS norm (o_proj, down_proj) does
-# them as it stores its output (kernels/triton_add_norm.py); False: the norm's own launch.
+# Whether the residual add and RMS norm between two batch-1 GEMVs (o_proj -> gate_up, down ->
+# the next layer's qkv) are done by the two GEMVs (kernels/triton_add_norm.py); False: the
+# norm's own launch.
 ADD_NORM_EPILOGUE = True
 
 
 @dataclass(frozen=True)
+class Normed:
+    """weight * rms_norm(h) as the GEMV before left it (kernels/triton_add_norm.py): hg = h *
+    weight [1, D] and, in `slot`, the sum of h^2. A batch-1 GEMV takes it as its x and scales
+    its sums; anything else calls `materialize`."""
+
+    hg: torch.Tensor  # [1, D]
+    slot: torch.Tensor  # [1] fp64: sum of h^2
+    eps: float
+
+    def materialize(self) -> torch.Tensor:
+        """The normed x itself, [1, D] in hg's dtype."""
+        rstd = torch.rsqrt(self.slot.float() / self.hg.shape[-1] + self.eps)
+        return (self.hg.float() * rstd).to(self.hg.dtype)
+
+
+@dataclass(frozen=True)
 class AddNorm:
-    """`fused_add_rms_norm(y, residual, weight, eps)` of a linear's output y: the batch-1 GEMVs
-    do it as they store y (kernels/triton_add_norm.py), other paths after the linear."""
+    """`fused_add_rms_norm(y, residual, weight, eps)` of a linear's output y. A batch-1 GEMV
+    with a `slot` (a zeroed [1] fp64 tensor) returns the normed half as a `Normed` for the
+    GEMV after to finish (kernels/triton_add_norm.py); other paths return it computed."""
 
     residual: torch.Tensor  # [T, N]
     weight: torch.Tensor  # [N]
     eps: float
+    slot: torch.Tensor | None = None
 
     def in_epilogue(self, x: torch.Tensor) -> bool:
         """Whether a GEMV of x ([T, K]) may take it: one row on CUDA, one dtype throughout."""
         return (
-            ADD_NORM_EPILOGUE and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.residual.dim() == 2
-            and self.residual.is_contiguous() and self.weight.is_contiguous()
+            ADD_NORM_EPILOGUE and self.slot is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and self.residual.dim() == 2 and self.residual.is_contiguous() and self.weight.is_contiguous()
             and self.residual.dtype == self.weight.dtype == x.dtype
         )  # fmt: skip
 
     def after(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed, h) of the linear's output y, in launches of their own."""
         return fused_add_rms_norm(y, self.residual, self.weight, self.eps)
+
+    def deferred(self, hg: torch.Tensor) -> Normed:
+        assert self.slot is not None
+        return Normed(hg, self.slot, self.eps)
 
 
 def rotary_embedding(
@@ -191,10 +216,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return triton_ops.silu_and_mul(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor | Normed, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]: `F.linear`, except one 16-bit row on CUDA
     (a batch-1 decode step), which runs the Triton GEMV (cuBLAS reads such small weights at
-    60-85% of the bandwidth, the GEMV at 75-99%)."""
+    60-85% of the bandwidth, the GEMV at 75-99%). x may be a `Normed`, which the GEMV finishes."""
+    if isinstance(x, Normed):
+        if _takes_gemv(x.hg, weight):
+            from kernels import triton_linear
+
+            return triton_linear.gemv(x.hg, weight, bias, rms=x)
+        x = x.materialize()
     if _takes_gemv(x, weight):
         from kernels import triton_linear
 
@@ -202,10 +233,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_silu_mul(
+    x: torch.Tensor | Normed, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """`silu_and_mul(linear(x, weight, bias))` for a [gate | up] weight [2I, K] -> [T, I]; where
     `linear` runs the GEMV, one launch that applies SiLU-and-mul to its sums, rounded as the
     two launches round (the fp32 sums may be added in another order)."""
+    if isinstance(x, Normed):
+        if _takes_gemv(x.hg, weight):
+            from kernels import triton_linear
+
+            return triton_linear.gemv(x.hg, weight, bias, silu_mul=True, rms=x)
+        x = x.materialize()
     if _takes_gemv(x, weight):
         from kernels import triton_linear
 
@@ -215,13 +254,15 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def linear_add_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_norm.after(linear(x, weight, bias))`: (normed, h); where `linear` runs the GEMV, in its
-    one launch (the sum of squares may be added in another order)."""
+) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+    """`add_norm.after(linear(x, weight, bias))`: (normed, h); where `linear` runs the GEMV and
+    add_norm has a slot, the normed half is a `Normed` for the GEMV after to finish
+    (kernels/triton_add_norm.py)."""
     if _takes_gemv(x, weight) and add_norm.in_epilogue(x):
         from kernels import triton_linear
 
-        return triton_linear.gemv_add_norm(x, weight, bias, add_norm)
+        hg, h = triton_linear.gemv_add_norm(x, weight, bias, add_norm)
+        return add_norm.deferred(hg), h
     return add_norm.after(linear(x, weight, bias))
 
 
@@ -287,14 +328,40 @@ def int4_gemm_add_norm(
     layout: str,
     zero_offset: int,
     add_norm: AddNorm,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | Normed, torch.Tensor]:
     """`add_norm.after(int4_gemm(...))`: (normed, h); on the pairs and tiles layouts at one row
-    on CUDA, in the MMA GEMV's one launch."""
-    if layout in ("pairs", "tiles") and x.is_cuda and g_idx is None:
+    on CUDA the MMA GEMV does the first half of the norm (kernels/triton_add_norm.py)."""
+    if layout in ("pairs", "tiles") and g_idx is None and add_norm.in_epilogue(x):
         from kernels import triton_int4_gemm, triton_int4_mma
 
         num_sms = triton_int4_gemm._num_sms(x.device)
-        return triton_int4_mma.int4_gemm_pairs_add_norm(
+        out = triton_int4_mma.int4_gemm_pairs_add_norm(
             x, qweight, qzeros, scales, group_size, zero_offset, num_sms, layout == "tiles", add_norm
         )
+        if out is not None:
+            hg, h = out
+            return add_norm.deferred(hg), h
     return add_norm.after(int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset))
+
+
+def int4_gemm_normed(
+    x: Normed,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    layout: str,
+    zero_offset: int,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """`int4_gemm(x.materialize(), ...)`; on the pairs and tiles layouts on CUDA the MMA GEMV
+    finishes the norm itself where it takes the row (kernels/triton_add_norm.py)."""
+    if layout in ("pairs", "tiles") and g_idx is None and x.hg.is_cuda:
+        from kernels import triton_int4_gemm, triton_int4_mma
+
+        num_sms = triton_int4_gemm._num_sms(x.hg.device)
+        return triton_int4_mma.int4_gemm_pairs(
+            x.hg, qweight, qzeros, scales, group_size, zero_offset, num_sms, silu_mul, layout == "tiles", rms=x
+        )
+    return int4_gemm(x.materialize(), qweight, qzeros, scales, g_idx, group_size, layout, zero_offset, silu_mul)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import AddNorm
+from kernels import AddNorm, Normed
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_AMAX = 1e-12  # the same floor as kernels/triton_fp8_quant.py
@@ -144,14 +144,35 @@ def w8_linear_add_norm(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     add_norm: AddNorm,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | Normed, torch.Tensor]:
     """`add_norm.after(linear(x, qweight, scale, bias))` (linear: int8_linear or fp8_linear):
-    (normed, h); at one row on CUDA, where both run the 1-byte GEMV, in its one launch."""
+    (normed, h); at one row on CUDA, where both run the 1-byte GEMV, the normed half is a
+    `Normed` for the GEMV after to finish (kernels/triton_add_norm.py)."""
     if add_norm.in_epilogue(x):
         from kernels.triton_gemv import gemv_w8_add_norm
 
-        return gemv_w8_add_norm(x, qweight, scale, bias, add_norm)
+        hg, h = gemv_w8_add_norm(x, qweight, scale, bias, add_norm)
+        return add_norm.deferred(hg), h
     return add_norm.after(linear(x, qweight, scale, bias))
+
+
+def w8_linear_normed(
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    x: Normed,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """`linear` (with silu_mul `w8_linear_silu_mul`) of x.materialize(); on CUDA the 1-byte
+    GEMV finishes the norm itself (kernels/triton_add_norm.py)."""
+    if x.hg.is_cuda:
+        from kernels.triton_gemv import gemv_w8
+
+        return gemv_w8(x.hg, qweight, scale, bias, silu_mul=silu_mul, rms=x)
+    if silu_mul:
+        return w8_linear_silu_mul(linear, x.materialize(), qweight, scale, bias)
+    return linear(x.materialize(), qweight, scale, bias)
 
 
 def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

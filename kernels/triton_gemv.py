@@ -28,8 +28,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import AddNorm, pdl
-from kernels.triton_add_norm import launch_args, store_add_norm
+from kernels import AddNorm, Normed, pdl
+from kernels.triton_add_norm import (
+    launch_args,
+    load_residual,
+    load_sum_of_squares,
+    rms_scale,
+    store_add_norm,
+)
 from kernels.triton_linear import store_outputs, weight_rows
 
 GEMV_MAX_ROWS = 4
@@ -43,11 +49,6 @@ LANE_SUMS = True
 # the fp8 batch-1 step on the H200: 2 rows 2.437 ms, 4 rows 2.389, 8 rows 2.533 (one call;
 # docs/benchmarks.md, session 18).
 TILE_N = 4
-# Most inputs a weight tile spans (pick_blocks).
-MAX_BLOCK_K = 2048
-# Load the second weight tile before the PDL wait too, as kernels/triton_linear.py does (K
-# of at least two tiles): measurement switch.
-TWO_FIRST = False
 
 
 @triton.jit
@@ -117,16 +118,16 @@ def _tile_sum(
 @triton.jit
 def _gemv_w8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, residual_ptr, h_ptr,
-    norm_weight_ptr, normed_ptr, norm_lock_ptr, eps, num_programs,
+    norm_weight_ptr, hg_ptr, ss_out_ptr, ss_in_ptr, rms_eps,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr,
-    LANE_SUMS: tl.constexpr, LATE_TRIGGER: tl.constexpr = False, TWO_FIRST: tl.constexpr = False, ADD_NORM: tl.constexpr = False,
-    BLOCK_D: tl.constexpr = 1,
+    LANE_SUMS: tl.constexpr, LATE_TRIGGER: tl.constexpr = False, ADD_NORM: tl.constexpr = False,
+    RMS: tl.constexpr = False,
 ):  # fmt: skip
     """SILU_MUL: w is [gate | up] ([2N, K]); the program sums gate rows n and up rows N + n
     and writes silu(gate) * up ([M, N]). LANE_SUMS: keep per-thread partial sums across tiles
-    and reduce across threads once, at the end (the module's LANE_SUMS says why). ADD_NORM
-    (one row): store h = y + residual and weight * rms_norm(h), not y (kernels/triton_add_norm.py)."""
+    and reduce across threads once, at the end (the module's LANE_SUMS says why). ADD_NORM and
+    RMS (one row): the two halves of the norm between GEMVs (kernels/triton_add_norm.py)."""
     if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
         gdc_launch_dependents()
     row = tl.program_id(0)
@@ -134,28 +135,23 @@ def _gemv_w8_kernel(
     w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * stride_wn  # [R, 1]; past N: row 0
     x_row = x_ptr + row * stride_xm + 0 * w_idx[:, None]  # [R, 1]: x in the weight tile's layout
     bits = _load_k(w_rows, 0, K, EVEN_K, BLOCK_K, "evict_first")  # [R, BK]
-    if TWO_FIRST:  # EVEN_K, K >= 2 BLOCK_K
-        bits2 = _load_k(w_rows, BLOCK_K, K, True, BLOCK_K, "evict_first")
     if PDL:
         gdc_wait()  # the first tile is in flight; x is the kernel before's output (kernels/pdl.py)
+    residual = load_residual(residual_ptr, w_idx, mask_w, ADD_NORM)
+    ss = load_sum_of_squares(ss_in_ptr, RMS)
     acc = _tile_sum(bits, x_row, 0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
-    if TWO_FIRST:
-        acc += _tile_sum(bits2, x_row, BLOCK_K, K, True, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
-    for k0 in range(BLOCK_K * (2 if TWO_FIRST else 1), K, BLOCK_K):
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         bits = _load_k(w_rows, k0, K, EVEN_K, BLOCK_K, "evict_first")
         acc += _tile_sum(bits, x_row, k0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
     if PDL and LATE_TRIGGER:  # pdl.SILU_MUL_LATE_TRIGGER
         gdc_launch_dependents()
     if LANE_SUMS:
         acc = tl.sum(acc, axis=1)
-    y = acc * tl.load(scale_ptr + w_idx, mask=mask_w, other=0.0)
+    y = rms_scale(acc * tl.load(scale_ptr + w_idx, mask=mask_w, other=0.0), ss, K, rms_eps, RMS)
     if HAS_BIAS:
         y += tl.load(bias_ptr + w_idx, mask=mask_w, other=0.0).to(tl.float32)
     if ADD_NORM:
-        store_add_norm(
-            y, w_idx, mask_w, residual_ptr, h_ptr, norm_weight_ptr, normed_ptr, norm_lock_ptr, eps, num_programs, N,
-            BLOCK_D,
-        )  # fmt: skip
+        store_add_norm(y, residual, w_idx, mask_w, h_ptr, norm_weight_ptr, hg_ptr, ss_out_ptr)
     else:
         store_outputs(y, y_ptr + row * stride_ym, tl.program_id(1), N, BLOCK_N, SILU_MUL)
 
@@ -163,13 +159,14 @@ def _gemv_w8_kernel(
 def pick_blocks(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): the best of a sweep on llama-3.1-8b's four shapes on the H200 in
     CUDA-graph timing (docs/benchmarks.md), 4 x 2048 for each; K under 2048 takes one tile."""
-    return TILE_N, min(MAX_BLOCK_K, triton.next_power_of_2(k))
+    return TILE_N, min(2048, triton.next_power_of_2(k))
 
 
 def gemv_w8_add_norm(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv_w8` of one row with the add + norm epilogue (kernels/triton_add_norm.py): (normed, h)."""
+    """`gemv_w8` of one row, then the first half of the norm after it (kernels/triton_add_norm.py):
+    (hg, h)."""
     _, outputs = _gemv_w8(x, qweight, scale, bias, add_norm=add_norm)
     assert outputs is not None
     return outputs
@@ -185,13 +182,15 @@ def gemv_w8(
     num_warps: int = 4,
     silu_mul: bool = False,
     lane_sums: bool | None = None,
+    rms: Normed | None = None,
 ) -> torch.Tensor:
     """x: [M, K] (fp16/bf16/fp32, M <= GEMV_MAX_ROWS); qweight: [N, K] int8 or
     float8_e4m3fn; scale: N fp32 values ([N] or [1, N]); bias: [N] | None -> [M, N] in x's dtype.
     silu_mul: the weight is [gate | up] and the result silu(gate) * up, [M, N / 2], as
     `silu_and_mul` of the plain result (the same roundings; the fp32 sums may be added in
-    another order)."""
-    return _gemv_w8(x, qweight, scale, bias, block_n, block_k, num_warps, silu_mul, lane_sums)[0]
+    another order). rms: x is rms.hg (one row), whose norm this GEMV finishes
+    (kernels/triton_add_norm.py)."""
+    return _gemv_w8(x, qweight, scale, bias, block_n, block_k, num_warps, silu_mul, lane_sums, rms=rms)[0]
 
 
 def _gemv_w8(
@@ -205,8 +204,9 @@ def _gemv_w8(
     silu_mul: bool = False,
     lane_sums: bool | None = None,
     add_norm: AddNorm | None = None,
+    rms: Normed | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """gemv_w8 -> (y, None), or with add_norm (y unwritten, (normed, h))."""
+    """gemv_w8 -> (y, None), or with add_norm (y unwritten, (hg, h))."""
     assert x.dim() == 2 and qweight.dim() == 2 and x.shape[1] == qweight.shape[1], (x.shape, qweight.shape)
     assert qweight.dtype in (torch.int8, torch.float8_e4m3fn), qweight.dtype
     assert scale.dtype == torch.float32 and scale.numel() == qweight.shape[0] and scale.is_contiguous()
@@ -225,7 +225,7 @@ def _gemv_w8(
     block_k = min(block_k or default_k, triton.next_power_of_2(k))
     grid = (m, triton.cdiv(n, block_n))
     assert not (silu_mul and add_norm), "SiLU-and-mul has no add + norm epilogue"
-    epilogue, outputs = launch_args(add_norm, x, y, grid[1])
+    epilogue, outputs = launch_args(add_norm, rms, x, y)
     use_pdl = pdl.enabled(x)
     _gemv_w8_kernel[grid](
         x, qweight.view(torch.uint8), scale, bias if bias is not None else scale, y,
@@ -234,7 +234,6 @@ def _gemv_w8(
         BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, SILU_MUL=silu_mul,
         LANE_SUMS=(LANE_SUMS if lane_sums is None else lane_sums) and block_k >= 16,
         LATE_TRIGGER=silu_mul and pdl.SILU_MUL_LATE_TRIGGER,
-        TWO_FIRST=TWO_FIRST and k % block_k == 0 and k >= 2 * block_k,
         num_warps=num_warps, launch_pdl=use_pdl, **epilogue,
     )  # fmt: skip
     return y, outputs

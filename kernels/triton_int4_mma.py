@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels import AddNorm, pdl
+from kernels import AddNorm, Normed, pdl
 from kernels import triton_int4_mma_gemv as mma_gemv
 from kernels.int4_rows import pairs_shape
 from kernels.semaphores import reduce_splits, semaphores
@@ -295,6 +295,7 @@ def int4_gemm_pairs(
     num_sms: int = 132,
     silu_mul: bool = False,
     tiled: bool = False,
+    rms: Normed | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ a pairs-layout INT4 weight -> [M, N] in x's dtype (semantics of
     kernels.int4_reference.int4_gemm on the same weight); group_size -1: one group. Up to
@@ -302,10 +303,16 @@ def int4_gemm_pairs(
     silu_mul: the weight is [gate | up], the result silu_and_mul of the product, [M, N / 2]
     (one launch at one row: the GEMV applies it to its sums). tiled: qweight is in the tiles
     layout (kernels/int4_rows.py), which the CUDA-core GEMV does not read: one row goes to the
-    MMA GEMV, or where that does not apply to the tl.dot kernel."""
+    MMA GEMV, or where that does not apply to the tl.dot kernel. rms: x is rms.hg, whose norm
+    the MMA GEMV finishes (kernels/triton_add_norm.py); other paths take rms.materialize()."""
     m, k = x.shape
-    n, _ = pairs_shape(qweight)
     group = k if group_size == -1 else group_size
+    if rms is not None:
+        if m == 1 and not ONE_ROW_ON_TL_DOT and mma_gemv.supported(x, group) and (SILU_MUL_GEMV or not silu_mul):
+            mma_config = mma_gemv.pick_mma_gemv_config(pairs_shape(qweight)[0], k, num_sms, silu_mul=silu_mul)
+            return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul, tiled, rms)
+        x = rms.materialize()
+    n, _ = pairs_shape(qweight)
     if silu_mul and (m != 1 or ONE_ROW_ON_TL_DOT or not SILU_MUL_GEMV):
         from kernels import silu_and_mul
 
@@ -324,13 +331,12 @@ def int4_gemm_pairs(
 def int4_gemm_pairs_add_norm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
     zero_offset: int, num_sms: int, tiled: bool, add_norm: AddNorm,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`add_norm.after(int4_gemm_pairs(...))`: (normed, h); in the MMA GEMV's one launch where
-    it takes the row (kernels/triton_add_norm.py)."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """The MMA GEMV of one row with the first half of the norm after it (kernels/triton_add_norm.py):
+    (hg, h); None where the row does not go to the MMA GEMV."""
     m, k = x.shape
     group = k if group_size == -1 else group_size
-    if m == 1 and not ONE_ROW_ON_TL_DOT and mma_gemv.supported(x, group) and add_norm.in_epilogue(x):
-        n, _ = pairs_shape(qweight)
-        config = mma_gemv.pick_mma_gemv_config(n, k, num_sms)
-        return mma_gemv.gemv_pairs_mma_add_norm(x, qweight, qzeros, scales, group, zero_offset, config, tiled, add_norm)
-    return add_norm.after(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms, tiled=tiled))
+    if m != 1 or ONE_ROW_ON_TL_DOT or not mma_gemv.supported(x, group):
+        return None
+    config = mma_gemv.pick_mma_gemv_config(pairs_shape(qweight)[0], k, num_sms)
+    return mma_gemv.gemv_pairs_mma_add_norm(x, qweight, qzeros, scales, group, zero_offset, config, tiled, add_norm)

@@ -57,11 +57,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import AddNorm, pdl
+from kernels import AddNorm, Normed, pdl
 from kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
 from kernels.int4_rows import ROW_BLOCK, pairs_shape
 from kernels.semaphores import semaphores, sum_splits
-from kernels.triton_add_norm import launch_args, store_add_norm
+from kernels.triton_add_norm import (
+    launch_args,
+    load_residual,
+    load_sum_of_squares,
+    rms_scale,
+    store_add_norm,
+)
 from kernels.triton_int4_rows import split_steps
 from kernels.triton_linear import store_outputs
 
@@ -158,12 +164,12 @@ def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
 @triton.jit
 def _mma_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, ws_ptr, lock_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_qn, split_k, residual_ptr, h_ptr, norm_weight_ptr, normed_ptr, norm_lock_ptr,
-    eps, num_programs, GROUP_BLOCKS: tl.constexpr,
+    M, N, K, stride_xm, stride_ym, stride_qn, split_k, residual_ptr, h_ptr, norm_weight_ptr, hg_ptr, ss_out_ptr,
+    ss_in_ptr, rms_eps, GROUP_BLOCKS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
     CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False, K_WARPS: tl.constexpr = 1,
-    ADD_NORM: tl.constexpr = False, BLOCK_D: tl.constexpr = 1,
+    ADD_NORM: tl.constexpr = False, RMS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS / K_WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -174,8 +180,8 @@ def _mma_gemv_kernel(
     pairs and sums rows 2t and 2t + 1 (one row: every lane reads row 0 and keeps column 0).
     K_WARPS: warps w and w + 1 .. share tiles (numbered w // K_WARPS), each step's K_WARPS *
     UNROLL blocks shared out UNROLL to a warp (w % K_WARPS); their sums meet in shared memory
-    at the end, not through a split's round trip to global memory. ADD_NORM (one row): store
-    h = y + residual and weight * rms_norm(h), not y (kernels/triton_add_norm.py)."""
+    at the end, not through a split's round trip to global memory. ADD_NORM and RMS (one row):
+    the two halves of the norm between GEMVs (kernels/triton_add_norm.py)."""
     T: tl.constexpr = UNROLL * TILES * WARPS * 32
     NT: tl.constexpr = TILES * WARPS // K_WARPS  # the program's tiles
     BLOCK_N: tl.constexpr = 16 * NT
@@ -223,6 +229,9 @@ def _mma_gemv_kernel(
     )  # fmt: skip
     if PDL:
         gdc_wait()
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    residual = load_residual(residual_ptr, offs_n, offs_n < N, ADD_NORM)
+    ss = load_sum_of_squares(ss_in_ptr, RMS)
     xa, xb, xc, xd, xs = _load_x(tl.minimum(first, last - 1), x_pairs, x_share, STEP, MULTI)
     for step in tl.range(first, last, num_stages=1):
         ahead = tl.minimum(step + 1, last - 1)
@@ -258,14 +267,11 @@ def _mma_gemv_kernel(
         hi_sums = tl.sum(tl.where(first_t, _tile_sums(acc1, UNROLL, NT, K_WARPS), 0.0), axis=2)
         partial = tl.reshape(tl.permute(tl.join(lo_sums, hi_sums), (0, 2, 1)), (BLOCK_N,))  # output tile * 16 + 8h + g
         total, is_last = sum_splits(partial[:, None], tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
+        total = rms_scale(tl.reshape(total, (BLOCK_N,)), ss, K, rms_eps, RMS)
         if ADD_NORM:
-            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            store_add_norm(
-                tl.reshape(total, (BLOCK_N,)), offs_n, offs_n < N, residual_ptr, h_ptr, norm_weight_ptr, normed_ptr,
-                norm_lock_ptr, eps, num_programs, N, BLOCK_D, is_last,
-            )  # fmt: skip
+            store_add_norm(total, residual, offs_n, offs_n < N, h_ptr, norm_weight_ptr, hg_ptr, ss_out_ptr, is_last)
         else:
-            store_outputs(tl.reshape(total, (BLOCK_N,)), y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
+            store_outputs(total, y_ptr, pid, N_OUT, HALF, SILU_MUL, is_last)
 
 
 @triton.jit
@@ -314,9 +320,9 @@ def gemv_pairs_mma_add_norm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
     zero_offset: int, config: MmaGemvConfig, tiled: bool, add_norm: AddNorm,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`gemv_pairs_mma` of one row with the add + norm epilogue (kernels/triton_add_norm.py):
-    (normed, h)."""
-    _, outputs = _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, False, tiled, add_norm)
+    """`gemv_pairs_mma` of one row, then the first half of the norm after it
+    (kernels/triton_add_norm.py): (hg, h)."""
+    _, outputs = _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, False, tiled, add_norm, None)
     assert outputs is not None
     return outputs
 
@@ -331,19 +337,22 @@ def gemv_pairs_mma(
     config: MmaGemvConfig,
     silu_mul: bool = False,
     tiled: bool = False,
+    rms: Normed | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, bf16 or fp16) @ a pairs-layout INT4 weight (qweight [N, K/8];
     tiled: the tiles layout [N/16, K/128, 256], kernels/int4_rows.py) -> [M, N] in x's dtype; group_size: inputs per group, a multiple of 128 (K for one
     group). silu_mul (one row): the weight is [gate | up] and the result silu(gate) * up,
-    [1, N / 2], rounded as `silu_and_mul` of the plain result."""
-    return _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, silu_mul, tiled, None)[0]
+    [1, N / 2], rounded as `silu_and_mul` of the plain result. rms (one row): x is rms.hg, whose
+    norm this GEMV finishes (kernels/triton_add_norm.py)."""
+    return _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, silu_mul, tiled, None, rms)[0]
 
 
 def _gemv_pairs_mma(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
     zero_offset: int, config: MmaGemvConfig, silu_mul: bool, tiled: bool, add_norm: AddNorm | None,
+    rms: Normed | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
-    """gemv_pairs_mma -> (y, None), or with add_norm (y unwritten, (normed, h))."""
+    """gemv_pairs_mma -> (y, None), or with add_norm (y unwritten, (hg, h))."""
     x = x.contiguous()
     m = x.shape[0]
     n, k = pairs_shape(qweight)
@@ -359,7 +368,8 @@ def _gemv_pairs_mma(
     num_blocks_n = triton.cdiv(n_out, config.block_n // 2 if silu_mul else config.block_n)
     workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     assert not (silu_mul and add_norm), "SiLU-and-mul has no add + norm epilogue"
-    epilogue, outputs = launch_args(add_norm, x, y, num_blocks_n)
+    assert rms is None or m == 1, "the norm's second half takes one row"
+    epilogue, outputs = launch_args(add_norm, rms, x, y)
     use_pdl = pdl.enabled(x)
     fp16, multi = x.dtype == torch.float16, m > 1
     _mma_gemv_kernel[(1, num_blocks_n, config.split_k)](

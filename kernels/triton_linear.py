@@ -18,8 +18,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import AddNorm, pdl
-from kernels.triton_add_norm import launch_args, store_add_norm
+from kernels import AddNorm, Normed, pdl
+from kernels.triton_add_norm import (
+    launch_args,
+    load_residual,
+    load_sum_of_squares,
+    rms_scale,
+    store_add_norm,
+)
 from kernels.triton_ops import silu_times
 
 BLOCK_N = 2
@@ -77,10 +83,10 @@ def _gemv_kernel(
     residual_ptr,
     h_ptr,
     norm_weight_ptr,
-    normed_ptr,
-    norm_lock_ptr,
-    eps,
-    num_programs,
+    hg_ptr,
+    ss_out_ptr,
+    ss_in_ptr,
+    rms_eps,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -90,10 +96,11 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr = False,
     ADD_NORM: tl.constexpr = False,
-    BLOCK_D: tl.constexpr = 1,
+    RMS: tl.constexpr = False,
 ):
-    """ADD_NORM: store h = y + residual and normed = weight * rms_norm(h), not y
-    (kernels/triton_add_norm.py)."""
+    """The two halves of the norm between GEMVs (kernels/triton_add_norm.py): ADD_NORM stores
+    h = y + residual and h * weight and sums h^2, not y; RMS (x is h * weight) scales the sums
+    by rsqrt(mean h^2 + eps)."""
     if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
         gdc_launch_dependents()
     rn, n_mask = weight_rows(tl.program_id(0), N, BLOCK_N, SILU_MUL)
@@ -104,6 +111,8 @@ def _gemv_kernel(
         w2 = _load_k(rows, BLOCK_K + rk, K, True)
     if PDL:
         gdc_wait()  # the first weight tiles are in flight; x is the kernel before's output (kernels/pdl.py)
+    residual = load_residual(residual_ptr, rn, n_mask, ADD_NORM)
+    ss = load_sum_of_squares(ss_in_ptr, RMS)
     acc = w.to(tl.float32) * _load_k(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
     if TWO_FIRST:
         acc += w2.to(tl.float32) * _load_k(x_ptr, BLOCK_K + rk, K, True).to(tl.float32)[None, :]
@@ -112,39 +121,39 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * _load_k(x_ptr, k0 + rk, K, EVEN_K).to(tl.float32)[None, :]
     if PDL and LATE_TRIGGER:  # pdl.SILU_MUL_LATE_TRIGGER
         gdc_launch_dependents()
-    y = tl.sum(acc, axis=1)  # [rows]
+    y = rms_scale(tl.sum(acc, axis=1), ss, K, rms_eps, RMS)  # [rows]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     if ADD_NORM:
-        store_add_norm(
-            y, rn, n_mask, residual_ptr, h_ptr, norm_weight_ptr, normed_ptr, norm_lock_ptr, eps, num_programs, N,
-            BLOCK_D,
-        )  # fmt: skip
+        store_add_norm(y, residual, rn, n_mask, h_ptr, norm_weight_ptr, hg_ptr, ss_out_ptr)
     else:
         store_outputs(y, y_ptr, tl.program_id(0), N, BLOCK_N, SILU_MUL)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False, rms: Normed | None = None
+) -> torch.Tensor:
     """x [1, K] (contiguous), weight [N, K] (unit stride along K) -> [1, N] in x's dtype.
     silu_mul: the weight is [gate | up] and the result silu(gate) * up, [1, N / 2], as
     `silu_and_mul` of the plain result (the same roundings; the fp32 sums may be added in
-    another order)."""
-    return _gemv(x, weight, bias, silu_mul, None)[0]
+    another order). rms: x is rms.hg, whose norm this GEMV finishes (kernels/triton_add_norm.py)."""
+    return _gemv(x, weight, bias, silu_mul, None, rms)[0]
 
 
 def gemv_add_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv` with the add + norm epilogue (kernels/triton_add_norm.py): (normed, h)."""
-    _, outputs = _gemv(x, weight, bias, False, add_norm)
+    """`gemv`, then the first half of the norm after it (kernels/triton_add_norm.py): (hg, h)."""
+    _, outputs = _gemv(x, weight, bias, False, add_norm, None)
     assert outputs is not None
     return outputs
 
 
 def _gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, add_norm: AddNorm | None
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """gemv -> (y, None), or with add_norm (y unwritten, (normed, h))."""
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool, add_norm: AddNorm | None,
+    rms: Normed | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
+    """gemv -> (y, None), or with add_norm (y unwritten, (hg, h))."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1, f"one contiguous row, got {tuple(x.shape)}"
     n, k = weight.shape
     assert x.shape[1] == k and weight.stride(1) == 1, f"x {tuple(x.shape)} against weight {tuple(weight.shape)}"
@@ -156,9 +165,8 @@ def _gemv(
     use_pdl = pdl.enabled(x)
     block_n = BLOCK_N // 2 if silu_mul else BLOCK_N  # gate and up rows: the same tile
     assert not (silu_mul and add_norm), "SiLU-and-mul has no add + norm epilogue"
-    num_programs = triton.cdiv(n, block_n)
-    epilogue, outputs = launch_args(add_norm, x, y, num_programs)
-    _gemv_kernel[(num_programs,)](
+    epilogue, outputs = launch_args(add_norm, rms, x, y)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         bias if bias is not None else weight,  # never read without HAS_BIAS

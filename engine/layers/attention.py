@@ -13,7 +13,7 @@ from torch import nn
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope
-from kernels import AttentionMetadata, rotary_paged_attention
+from kernels import AttentionMetadata, Normed, rotary_paged_attention
 
 
 class Attention(nn.Module):
@@ -55,8 +55,11 @@ class Attention(nn.Module):
         # x: [T, hidden] -> [T, hidden]
         return self.o_proj(self.attend(rope, x, kv_cache, meta))
 
-    def attend(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Everything but o_proj: x [T, hidden] -> the heads' outputs [T, Hq * D]."""
+    def attend(
+        self, rope: Rope, x: torch.Tensor | Normed, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Everything but o_proj: x [T, hidden] (a kernels.Normed only where qkv_proj
+        takes_normed) -> the heads' outputs [T, Hq * D]."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

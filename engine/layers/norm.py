@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AddNorm, fused_add_rms_norm
+from kernels import AddNorm, Normed, fused_add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -29,18 +29,22 @@ class RMSNorm(nn.Module):
 
 
 def add_norm(
-    proj: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm(proj(x), residual)`: (norm(proj(x) + residual), proj(x) + residual). A module with
-    `forward_add_norm` (the dense, fp8, int8 and INT4 linears; the MLP through its down_proj)
-    adds and normalises as its batch-1 GEMV stores (kernels/triton_add_norm.py)."""
-    return project_add_norm(proj, x, AddNorm(residual, norm.weight, norm.eps))
+    proj: nn.Module, x: torch.Tensor | Normed, residual: torch.Tensor, norm: RMSNorm, slot: torch.Tensor | None = None
+) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+    """`norm(proj(x), residual)`: (norm(proj(x) + residual), proj(x) + residual). Given a slot
+    (a zeroed [1] fp64 tensor), a module with `forward_add_norm` (the dense, fp8, int8 and
+    INT4 linears; the MLP through its down_proj) has its batch-1 GEMV do the first half of the
+    norm, and the normed half is a `kernels.Normed` for the GEMV after to finish
+    (kernels/triton_add_norm.py)."""
+    return project_add_norm(proj, x, AddNorm(residual, norm.weight, norm.eps, slot))
 
 
-def project_add_norm(proj: nn.Module, x: torch.Tensor, spec: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+def project_add_norm(
+    proj: nn.Module, x: torch.Tensor | Normed, spec: AddNorm
+) -> tuple[torch.Tensor | Normed, torch.Tensor]:
     """`spec.after(proj(x))`, through proj's `forward_add_norm` where it has one."""
     fused = getattr(proj, "forward_add_norm", None)
     if fused is None:
         return spec.after(proj(x))
-    out: tuple[torch.Tensor, torch.Tensor] = fused(x, spec)
+    out: tuple[torch.Tensor | Normed, torch.Tensor] = fused(x, spec)
     return out

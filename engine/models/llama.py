@@ -21,7 +21,7 @@ from engine.models import mixtral
 from engine.models.config import ModelArchConfig
 from engine.models.kv_scales import kv_scale_targets, per_layer_scale
 from engine.quantization import is_quantized
-from kernels import AddNorm, AttentionMetadata, silu_and_mul
+from kernels import AddNorm, AttentionMetadata, Normed, silu_and_mul
 
 
 class MLP(nn.Module):
@@ -31,14 +31,20 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
         return self.down_proj(self.act(x))
 
-    def forward_add_norm(self, x: torch.Tensor, spec: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """`spec.after(self(x))`, in down_proj's launch where it can (engine/layers/norm.py)."""
+    def forward_add_norm(self, x: torch.Tensor | Normed, spec: AddNorm) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+        """`spec.after(self(x))`, down_proj's GEMV doing the norm's first half where it can
+        (engine/layers/norm.py)."""
         return project_add_norm(self.down_proj, self.act(x), spec)
 
-    def act(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_normed(self) -> bool:
+        """Whether x may be a kernels.Normed (gate_up_proj finishes it)."""
+        return bool(getattr(self.gate_up_proj, "takes_normed", False))
+
+    def act(self, x: torch.Tensor | Normed) -> torch.Tensor:
         """silu(gate) * up. A gate_up layer with forward_silu_mul (dense, fp8, int8, INT4)
         applies SiLU-and-mul inside its batch-1 GEMV; LoRA layers are followed by the separate
         kernel."""
@@ -79,30 +85,47 @@ class DecoderLayer(nn.Module):
         """(x, residual) as the layer before left them (x its MLP's output; residual None: x is
         the embedding) -> this layer's, likewise (pipeline stages pass these on)."""
         x, residual = self.input_layernorm(x, residual)
-        x, residual = self.attention(rope, x, residual, kv_cache, meta)
-        return self.mlp(x), residual
+        normed, residual = self.attention(rope, x, residual, kv_cache, meta)
+        return self.mlp(normed), residual
 
     def forward_normed(
         self,
         rope: Rope,
-        x: torch.Tensor,
+        x: torch.Tensor | Normed,
         residual: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         next_norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        post_slot: torch.Tensor | None = None,
+        next_slot: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
         """x: this layer's input, normed already (input_layernorm of residual) -> (next_norm(out
-        + residual), out + residual), the next layer's (or the final) norm done by down_proj's
-        GEMV where it can, as o_proj's does post_attention_layernorm (engine/layers/norm.py)."""
-        x, residual = self.attention(rope, x, residual, kv_cache, meta)
-        return add_norm(self.mlp, x, residual, next_norm)
+        + residual), out + residual). post_slot, next_slot (zeroed [1] fp64 tensors, or None):
+        where o_proj and down_proj may leave the norm after them half done, as a
+        kernels.Normed for the GEMV after to finish (engine/layers/norm.py); next_slot only if
+        the layer after takes_normed."""
+        if not getattr(self.mlp, "takes_normed", False):
+            post_slot = None
+        x, residual = self.attention(rope, x, residual, kv_cache, meta, post_slot)
+        return add_norm(self.mlp, x, residual, next_norm, next_slot)
+
+    @property
+    def takes_normed(self) -> bool:
+        """Whether forward_normed's x may be a kernels.Normed (qkv_proj finishes it)."""
+        return bool(getattr(self.self_attn.qkv_proj, "takes_normed", False))
 
     def attention(
-        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        rope: Rope,
+        x: torch.Tensor | Normed,
+        residual: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        slot: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
         """Attention of the normed x, o_proj, then post_attention_layernorm: (normed, residual)."""
         o = self.self_attn.attend(rope, x, kv_cache, meta)
-        return add_norm(self.self_attn.o_proj, o, residual, self.post_attention_layernorm)
+        return add_norm(self.self_attn.o_proj, o, residual, self.post_attention_layernorm, slot)
 
 
 class DecoderModel(nn.Module):
@@ -126,14 +149,25 @@ class DecoderModel(nn.Module):
         """`after_layer(i)` runs once layer i has written its KV (the prefill role pushes it)."""
         layers = cast(list[DecoderLayer], list(self.layers))
         # Each layer ends with the next one's input norm (the last with the final norm), so
-        # that down_proj's GEMV can do it (DecoderLayer.forward_normed).
-        x, residual = layers[0].input_layernorm(self.embed_tokens(input_ids), None)  # [T, D] each
+        # that down_proj's GEMV can do half of it and qkv_proj's the rest (a batch-1 step on
+        # CUDA: DecoderLayer.forward_normed). One zeroed fp64 slot per such norm.
+        first, residual = layers[0].input_layernorm(self.embed_tokens(input_ids), None)  # [T, D] each
+        x: torch.Tensor | Normed = first
+        slots = None
+        if first.is_cuda and first.shape[0] == 1:
+            slots = torch.zeros(len(layers), 2, dtype=torch.float64, device=first.device)
         rope = self.rotary(positions)
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for i, (layer, kv_cache, next_norm) in enumerate(zip(layers, kv_caches, next_norms, strict=True)):
-            x, residual = layer.forward_normed(rope, x, residual, kv_cache, meta, next_norm)
+            post_slot = next_slot = None
+            if slots is not None:
+                post_slot = slots[i, 0:1]
+                if i + 1 < len(layers) and layers[i + 1].takes_normed:  # not the final norm (lm_head after)
+                    next_slot = slots[i, 1:2]
+            x, residual = layer.forward_normed(rope, x, residual, kv_cache, meta, next_norm, post_slot, next_slot)
             if after_layer is not None:
                 after_layer(i)
+        assert isinstance(x, torch.Tensor)  # the final norm (no slot) is never deferred
         return x
 
 

@@ -12,8 +12,14 @@ import torch
 from torch import nn
 
 from engine.quantization.online import OnlineMethod
-from kernels import AddNorm
-from kernels.quant_ops import FP8_MAX, fp8_linear, w8_linear_add_norm, w8_linear_silu_mul
+from kernels import AddNorm, Normed
+from kernels.quant_ops import (
+    FP8_MAX,
+    fp8_linear,
+    w8_linear_add_norm,
+    w8_linear_normed,
+    w8_linear_silu_mul,
+)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,15 +63,21 @@ class Fp8Linear(nn.Module):
             assert bias is not None
             self.bias.data.copy_(bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_normed = True  # a kernels.Normed x (engine/layers/linear.py)
+
+    def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
         # x: [T, K] -> [T, N]
+        if isinstance(x, Normed):
+            return w8_linear_normed(fp8_linear, x, self.qweight, self.weight_scale, self.bias)
         return fp8_linear(x, self.qweight, self.weight_scale, self.bias)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, x: torch.Tensor | Normed) -> torch.Tensor:
         # gate_up_proj: x [T, K] -> silu(gate) * up [T, out_features / 2]
+        if isinstance(x, Normed):
+            return w8_linear_normed(fp8_linear, x, self.qweight, self.weight_scale, self.bias, silu_mul=True)
         return w8_linear_silu_mul(fp8_linear, x, self.qweight, self.weight_scale, self.bias)
 
-    def forward_add_norm(self, x: torch.Tensor, add_norm: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add_norm(self, x: torch.Tensor, add_norm: AddNorm) -> tuple[torch.Tensor | Normed, torch.Tensor]:
         # o_proj, down_proj: x [T, K] -> (normed, h) of the norm after (engine/layers/norm.py)
         return w8_linear_add_norm(fp8_linear, x, self.qweight, self.weight_scale, self.bias, add_norm)
 

@@ -247,30 +247,47 @@ class Int4Linear(nn.Module):
         self.qzeros = pack_cols(unpack_cols(self.qzeros, "awq"), "gptq")
         self.layout = "gptq"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_normed = True  # a kernels.Normed x (engine/layers/linear.py)
+
+    def forward(self, x: torch.Tensor | kernels.Normed) -> torch.Tensor:
         # x: [..., in] -> [..., out]
+        if isinstance(x, kernels.Normed):
+            y = self._product_normed(x)
+            return y if self.bias is None else y + self.bias
         y = self._product(x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, x: torch.Tensor | kernels.Normed) -> torch.Tensor:
         """silu_and_mul(self(x)) for a [gate | up] layer: one launch for a decode row on the
         pairs layout (kernels.int4_gemm's silu_mul), two elsewhere."""
         if self.bias is not None:
             return kernels.silu_and_mul(self(x))
+        if isinstance(x, kernels.Normed):
+            return self._product_normed(x, silu_mul=True)
         y = self._product(x.reshape(-1, self.in_features), silu_mul=True)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
-    def forward_add_norm(self, x: torch.Tensor, add_norm: kernels.AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """add_norm.after(self(x)) for o_proj and down_proj: (normed, h) of the norm after, in
-        the MMA GEMV's one launch at a decode row on the pairs and tiles layouts."""
+    def forward_add_norm(
+        self, x: torch.Tensor, add_norm: kernels.AddNorm
+    ) -> tuple[torch.Tensor | kernels.Normed, torch.Tensor]:
+        """add_norm.after(self(x)) for o_proj and down_proj: (normed, h) of the norm after; at a
+        decode row on the pairs and tiles layouts the MMA GEMV does its first half and the
+        normed half is a kernels.Normed (engine/layers/linear.py)."""
         if self.bias is not None or x.dim() != 2:
             return add_norm.after(self(x))
         g_idx = self.g_idx if self.act_order else None
         s = self.spec
         return kernels.int4_gemm_add_norm(
             x, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset, add_norm
+        )
+
+    def _product_normed(self, x: kernels.Normed, silu_mul: bool = False) -> torch.Tensor:
+        g_idx = self.g_idx if self.act_order else None
+        s = self.spec
+        return kernels.int4_gemm_normed(
+            x, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset, silu_mul
         )
 
     def _product(self, flat: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from engine.quantization.online import OnlineMethod
-from kernels import AddNorm
-from kernels.quant_ops import int8_linear, w8_linear_add_norm, w8_linear_silu_mul
+from kernels import AddNorm, Normed
+from kernels.quant_ops import int8_linear, w8_linear_add_norm, w8_linear_normed, w8_linear_silu_mul
 
 INT8_MAX = 127
 
@@ -52,15 +52,21 @@ class Int8Linear(nn.Module):
             assert bias is not None
             self.bias.data.copy_(bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_normed = True  # a kernels.Normed x (engine/layers/linear.py)
+
+    def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
         # x: [T, K] -> [T, N]
+        if isinstance(x, Normed):
+            return w8_linear_normed(int8_linear, x, self.qweight, self.weight_scale, self.bias)
         return int8_linear(x, self.qweight, self.weight_scale, self.bias)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, x: torch.Tensor | Normed) -> torch.Tensor:
         # gate_up_proj: x [T, K] -> silu(gate) * up [T, out_features / 2]
+        if isinstance(x, Normed):
+            return w8_linear_normed(int8_linear, x, self.qweight, self.weight_scale, self.bias, silu_mul=True)
         return w8_linear_silu_mul(int8_linear, x, self.qweight, self.weight_scale, self.bias)
 
-    def forward_add_norm(self, x: torch.Tensor, add_norm: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add_norm(self, x: torch.Tensor, add_norm: AddNorm) -> tuple[torch.Tensor | Normed, torch.Tensor]:
         # o_proj, down_proj: x [T, K] -> (normed, h) of the norm after (engine/layers/norm.py)
         return w8_linear_add_norm(int8_linear, x, self.qweight, self.weight_scale, self.bias, add_norm)
 

@@ -50,7 +50,7 @@ signature = {
     "x_ptr": dtype, "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": dtype, "ws_ptr": "*fp32",
     "lock_ptr": "*i32", "y_ptr": dtype, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
     "stride_qn": "i32", "split_k": "i32", "residual_ptr": dtype, "h_ptr": dtype, "norm_weight_ptr": dtype,
-    "normed_ptr": dtype, "norm_lock_ptr": "*i32", "eps": "fp32", "num_programs": "i32",
+    "hg_ptr": dtype, "ss_out_ptr": "*fp64", "ss_in_ptr": "*fp64", "rms_eps": "fp32",
 }
 constexprs = dict(
     GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
@@ -58,7 +58,7 @@ constexprs = dict(
     TILED=bool(tiled), LATE_TRIGGER=True, K_WARPS=k_warps,
 )
 names = list(signature) + list(constexprs)
-attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M", "eps", "num_programs")}
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M", "rms_eps")}
 src = triton.compiler.ASTSource(
     fn=m._mma_gemv_kernel, signature=signature | {n: "constexpr" for n in constexprs}, constexprs=constexprs, attrs=attrs
 )
