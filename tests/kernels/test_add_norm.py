@@ -13,6 +13,9 @@ output is within a few of that dtype's roundings of the reference's (fp32: 1e-5)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -51,6 +54,14 @@ def assert_first_half(plain: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor
     expected_ss = h.double().pow(2).sum()
     torch.testing.assert_close(add_norm.slot[0], expected_ss, rtol=1e-6, atol=0)
     return add_norm.deferred(hg)
+
+
+def assert_relative(actual: torch.Tensor, expected: torch.Tensor, bound: float) -> None:
+    """Norm-wise, as tests/kernels/test_int4_mma_gemv.py compares: in bf16 x is rounded after
+    rstd (the reference) or before it (hg), and one output near 0 can be far off alone."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    error = float((actual.float() - expected.float()).norm() / expected.float().norm())
+    assert error < bound, error
 
 
 def normed_reference(normed: Normed, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -155,7 +166,7 @@ def test_cuda_llama_8b_shapes(fmt: str, k: int) -> None:
     w2 = randn(2 * 14336, n, dtype=dtype, seed=6, scale=n**-0.5)  # gate_up after it
     fused = triton_linear.gemv(normed.hg, w2, None, silu_mul=True, rms=normed)
     expected = triton_linear.gemv(normed.materialize(), w2, None, silu_mul=True)
-    torch.testing.assert_close(fused, expected, rtol=3e-2, atol=3e-2)
+    assert_relative(fused, expected, 1e-2)
 
 
 @cuda_only
@@ -191,7 +202,7 @@ def test_cuda_int4_mma_gemv(tiled: bool, k: int, config: tuple[int, ...] | None)
         args2 = (w2, t2["qzeros"], t2["scales"], 128, 1, cfg2, silu, tiled)
         fused = gemv_pairs_mma(normed.hg, *args2, rms=normed)
         expected = gemv_pairs_mma(normed.materialize(), *args2)
-        torch.testing.assert_close(fused, expected, rtol=3e-2, atol=3e-2)
+        assert_relative(fused, expected, 1e-2)
 
 
 @cuda_only
@@ -254,11 +265,11 @@ def test_cuda_layers_take_it_and_the_switch_turns_it_off(method: str, monkeypatc
     plain, h2 = add_norm(proj, x, residual, norm, torch.zeros(1, dtype=torch.float64, device="cuda"))
     assert isinstance(plain, torch.Tensor) and launches == ["norm"]
     assert torch.equal(h, h2)
-    torch.testing.assert_close(fused, proj2(plain), rtol=3e-2, atol=3e-2)
+    assert_relative(fused, proj2(plain), 1e-2)
 
 
-def _counting(fn, launches: list[str]):  # type: ignore[no-untyped-def]
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+def _counting(fn: Callable[..., Any], launches: list[str]) -> Callable[..., Any]:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         launches.append("norm")
         return fn(*args, **kwargs)
 
