@@ -192,6 +192,8 @@ def test_cuda_int4_mma_gemv(tiled: bool, k: int, config: tuple[int, ...] | None)
     args = (x, weight, t["qzeros"], t["scales"], 128, 1, cfg)
     add_norm = add_norm_case(n, torch.bfloat16)
     normed = assert_first_half(gemv_pairs_mma(*args, tiled=tiled), gemv_pairs_mma_add_norm(*args, tiled, add_norm), add_norm)
+    if n % 128:
+        return  # the GEMV after takes whole blocks of 128 inputs
     # The INT4 GEMV after it (qkv, gate_up) finishing the norm.
     t2 = gptq_tensors(n, 2 * 1024, 128, 1)
     t2["scales"] = t2["scales"].bfloat16()
