@@ -49,6 +49,9 @@ LANE_SUMS = True
 # the fp8 batch-1 step on the H200: 2 rows 2.437 ms, 4 rows 2.389, 8 rows 2.533 (one call;
 # docs/benchmarks.md, session 18).
 TILE_N = 4
+# Measurement switches (session 19's sweep): inputs a tile spans at most, and warps a program.
+MAX_BLOCK_K = 2048
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -159,7 +162,7 @@ def _gemv_w8_kernel(
 def pick_blocks(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): the best of a sweep on llama-3.1-8b's four shapes on the H200 in
     CUDA-graph timing (docs/benchmarks.md), 4 x 2048 for each; K under 2048 takes one tile."""
-    return TILE_N, min(2048, triton.next_power_of_2(k))
+    return TILE_N, min(MAX_BLOCK_K, triton.next_power_of_2(k))
 
 
 def gemv_w8_add_norm(
@@ -179,7 +182,7 @@ def gemv_w8(
     bias: torch.Tensor | None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     silu_mul: bool = False,
     lane_sums: bool | None = None,
     rms: Normed | None = None,
@@ -200,7 +203,7 @@ def _gemv_w8(
     bias: torch.Tensor | None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     silu_mul: bool = False,
     lane_sums: bool | None = None,
     add_norm: AddNorm | None = None,
@@ -234,6 +237,6 @@ def _gemv_w8(
         BLOCK_N=block_n, BLOCK_K=block_k, INT8_PTX=x.is_cuda, PDL=use_pdl, SILU_MUL=silu_mul,
         LANE_SUMS=(LANE_SUMS if lane_sums is None else lane_sums) and block_k >= 16,
         LATE_TRIGGER=silu_mul and pdl.SILU_MUL_LATE_TRIGGER,
-        num_warps=num_warps, launch_pdl=use_pdl, **epilogue,
+        num_warps=num_warps or NUM_WARPS, launch_pdl=use_pdl, **epilogue,
     )  # fmt: skip
     return y, outputs
