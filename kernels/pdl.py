@@ -13,7 +13,9 @@ kernels/triton_gemv.py; at 2..128 rows the INT4 kernels/triton_int4_mma.py) load
 first weight tile before `gdc_wait()` (the INT4 GEMV of kernels/triton_int4_rows.py waits
 before its pipelined loop); the small kernels between them (fused add + RMS norm, rotary + KV write, the
 two decode-attention kernels, SiLU-and-mul) start with `dependent_start`: they let the next
-kernel launch, then wait. The decode attention that rotates and caches the new token
+kernel launch, then wait. At batch 1 the norm between two GEMVs has no launch: the GEMV
+before adds into a sum that the GEMV after reads once its wait returns, and both read or
+write the residual only after their waits (kernels/triton_add_norm.py). The decode attention that rotates and caches the new token
 itself (kernels/triton_decode_attention.py) loads its first tile of cached K/V before its
 wait, as the GEMVs load weights. The bf16 and 1-byte GEMVs let theirs launch as they start too,
 except the gate_up GEMV with SiLU-and-mul fused, whose successor is the down GEMV: it lets
