@@ -169,6 +169,7 @@ class AddNorm:
         return fused_add_rms_norm(y, self.residual, self.weight, self.eps)
 
     def deferred(self, hg: torch.Tensor) -> Normed:
+        """The normed half, as the GEMV before left it: its hg and this slot."""
         assert self.slot is not None
         return Normed(hg, self.slot, self.eps)
 
