@@ -223,9 +223,7 @@ def linear(x: torch.Tensor | Normed, weight: torch.Tensor, bias: torch.Tensor | 
     60-85% of the bandwidth, the GEMV at 75-99%). x may be a `Normed`, which the GEMV finishes."""
     if isinstance(x, Normed):
         if _takes_gemv(x.hg, weight):
-            from kernels import triton_linear
-
-            return triton_linear.gemv(x.hg, weight, bias, rms=x)
+            return _gemv_normed(x, weight, bias, silu_mul=False)
         x = x.materialize()
     if _takes_gemv(x, weight):
         from kernels import triton_linear
@@ -242,9 +240,7 @@ def linear_silu_mul(
     two launches round (the fp32 sums may be added in another order)."""
     if isinstance(x, Normed):
         if _takes_gemv(x.hg, weight):
-            from kernels import triton_linear
-
-            return triton_linear.gemv(x.hg, weight, bias, silu_mul=True, rms=x)
+            return _gemv_normed(x, weight, bias, silu_mul=True)
         x = x.materialize()
     if _takes_gemv(x, weight):
         from kernels import triton_linear
@@ -265,6 +261,13 @@ def linear_add_norm(
         hg, h = triton_linear.gemv_add_norm(x, weight, bias, add_norm)
         return add_norm.deferred(hg), h
     return add_norm.after(linear(x, weight, bias))
+
+
+def _gemv_normed(x: Normed, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """The bf16 GEMV of x.hg finishing x's norm (kernels/triton_add_norm.py)."""
+    from kernels import triton_linear
+
+    return triton_linear.gemv(x.hg, weight, bias, silu_mul=silu_mul, rms=x)
 
 
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:

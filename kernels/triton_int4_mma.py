@@ -308,7 +308,7 @@ def int4_gemm_pairs(
     m, k = x.shape
     group = k if group_size == -1 else group_size
     if rms is not None:
-        if m == 1 and not ONE_ROW_ON_TL_DOT and mma_gemv.supported(x, group) and (SILU_MUL_GEMV or not silu_mul):
+        if _one_row_on_mma(x, group) and (SILU_MUL_GEMV or not silu_mul):
             mma_config = mma_gemv.pick_mma_gemv_config(pairs_shape(qweight)[0], k, num_sms, silu_mul=silu_mul)
             return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul, tiled, rms)
         x = rms.materialize()
@@ -334,9 +334,15 @@ def int4_gemm_pairs_add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """The MMA GEMV of one row with the first half of the norm after it (kernels/triton_add_norm.py):
     (hg, h); None where the row does not go to the MMA GEMV."""
-    m, k = x.shape
+    k = x.shape[1]
     group = k if group_size == -1 else group_size
-    if m != 1 or ONE_ROW_ON_TL_DOT or not mma_gemv.supported(x, group):
+    if not _one_row_on_mma(x, group):
         return None
     config = mma_gemv.pick_mma_gemv_config(pairs_shape(qweight)[0], k, num_sms)
     return mma_gemv.gemv_pairs_mma_add_norm(x, qweight, qzeros, scales, group, zero_offset, config, tiled, add_norm)
+
+
+def _one_row_on_mma(x: torch.Tensor, group: int) -> bool:
+    """Whether x is one row that int4_gemm_pairs gives to the MMA GEMV (the one kernel here
+    that does either half of the norm between GEMVs)."""
+    return x.shape[0] == 1 and not ONE_ROW_ON_TL_DOT and mma_gemv.supported(x, group)

@@ -277,25 +277,22 @@ class Int4Linear(nn.Module):
         normed half is a kernels.Normed (engine/layers/linear.py)."""
         if self.bias is not None or x.dim() != 2:
             return add_norm.after(self(x))
-        g_idx = self.g_idx if self.act_order else None
-        s = self.spec
-        return kernels.int4_gemm_add_norm(
-            x, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset, add_norm
-        )
+        return kernels.int4_gemm_add_norm(x, *self._weight_args(), add_norm)
 
     def _product_normed(self, x: kernels.Normed, silu_mul: bool = False) -> torch.Tensor:
-        g_idx = self.g_idx if self.act_order else None
-        s = self.spec
-        return kernels.int4_gemm_normed(
-            x, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset, silu_mul
-        )
+        return kernels.int4_gemm_normed(x, *self._weight_args(), silu_mul)
 
     def _product(self, flat: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        g_idx = self.g_idx if self.act_order else None
+        return kernels.int4_gemm(flat, *self._weight_args(), silu_mul)
+
+    def _weight_args(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int, str, int]:
+        """The weight as kernels.int4_gemm takes it: qweight, qzeros, scales, g_idx (None
+        without act-order), group size, layout, zero offset."""
         s = self.spec
-        return kernels.int4_gemm(
-            flat, self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset, silu_mul
-        )
+        g_idx = self.g_idx if self.act_order else None
+        return self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset
 
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:
