@@ -138,13 +138,6 @@ class Normed:
     hg: torch.Tensor  # [1, D]
     slot: torch.Tensor  # [1] fp64: sum of h^2
     eps: float
-    weight_max: float | None = None  # max |weight| of the norm, where known (RMSNorm.weight_max)
-
-    @property
-    def fp16_safe(self) -> bool:
-        """Whether the normed x fits fp16: |x_i| <= sqrt(D) |weight_i| (h_i^2 <= sum of h^2), so
-        sqrt(D) max |weight| under 65504, with a margin for the roundings of hg and rstd."""
-        return self.weight_max is not None and 1.01 * self.hg.shape[-1] ** 0.5 * self.weight_max < 65504.0
 
     def materialize(self) -> torch.Tensor:
         """The normed x itself, [1, D] in hg's dtype."""
@@ -162,7 +155,6 @@ class AddNorm:
     weight: torch.Tensor  # [N]
     eps: float
     slot: torch.Tensor | None = None
-    weight_max: float | None = None  # max |weight|, where known: Normed.fp16_safe
 
     def in_epilogue(self, x: torch.Tensor) -> bool:
         """Whether a GEMV of x ([T, K]) may take it: one row on CUDA, one dtype throughout."""
@@ -179,7 +171,7 @@ class AddNorm:
     def deferred(self, hg: torch.Tensor) -> Normed:
         """The normed half, as the GEMV before left it: its hg and this slot."""
         assert self.slot is not None
-        return Normed(hg, self.slot, self.eps, self.weight_max)
+        return Normed(hg, self.slot, self.eps)
 
 
 def rotary_embedding(

@@ -75,7 +75,7 @@ CONSTRAINTS = {
 
 
 @triton.jit
-def split4(v):
+def _split4(v):
     """[T, 4] -> its four columns, [T] each."""
     even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
     c0, c2 = tl.split(even)
@@ -92,12 +92,12 @@ def mma_block(
     (x's rows 2t, 2t + 1) x (rows g, g + 8)). words: [T, 4] int32; xa..xd [T, 4]: x's
     pairs 16p + 4t + c of the block, p = 0..3; x_share [T, 2] (one row; unread with MULTI):
     pairs 16 (g // 2) + 4t + 2 (g % 2) and + 1, the lane's share of the block sum."""
-    lo0, lo1, lo2, lo3 = split4(words_lo)
-    hi0, hi1, hi2, hi3 = split4(words_hi)
-    a0, a1, a2, a3 = split4(xa)
-    b0, b1, b2, b3 = split4(xb)
-    c0, c1, c2, c3 = split4(xc)
-    d0, d1, d2, d3 = split4(xd)
+    lo0, lo1, lo2, lo3 = _split4(words_lo)
+    hi0, hi1, hi2, hi3 = _split4(words_hi)
+    a0, a1, a2, a3 = _split4(xa)
+    b0, b1, b2, b3 = _split4(xb)
+    c0, c1, c2, c3 = _split4(xc)
+    d0, d1, d2, d3 = _split4(xd)
     if MULTI:
         acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
             ASM, CONSTRAINTS,

@@ -164,15 +164,10 @@ def w8_linear_normed(
     bias: torch.Tensor | None,
     silu_mul: bool = False,
 ) -> torch.Tensor:
-    """`linear` (with silu_mul `w8_linear_silu_mul`) of x.materialize(); on CUDA the GEMV
-    finishes the norm itself (kernels/triton_add_norm.py): an fp8 weight on fp16 MMAs where x
-    fits fp16 (kernels/triton_fp8_mma_gemv.py), else the 1-byte GEMV."""
+    """`linear` (with silu_mul `w8_linear_silu_mul`) of x.materialize(); on CUDA the 1-byte
+    GEMV finishes the norm itself (kernels/triton_add_norm.py)."""
     if x.hg.is_cuda:
-        from kernels import triton_fp8_mma_gemv
         from kernels.triton_gemv import gemv_w8
-
-        if triton_fp8_mma_gemv.supported(x, qweight):
-            return triton_fp8_mma_gemv.gemv_fp8_mma_normed(x, qweight, scale, bias, silu_mul=silu_mul)
 
         return gemv_w8(x.hg, qweight, scale, bias, silu_mul=silu_mul, rms=x)
     if silu_mul:

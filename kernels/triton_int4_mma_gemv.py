@@ -151,7 +151,7 @@ def _load_x(step, x_pairs, x_share, STEP: tl.constexpr, MULTI: tl.constexpr):
 
 
 @triton.jit
-def weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
+def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
     """Weight row of a program's output j (outputs pid * HALF + j; with SILU_MUL gate rows for
     j < HALF, up rows N + .. above). -> (row, valid); rows past N read row 0, unstored."""
     n = pid * HALF + j % HALF
@@ -196,8 +196,8 @@ def _mma_gemv_kernel(
     g = lane // 4
     t = lane % 4
     j = slot // K_WARPS * 16 + g  # this lane's outputs: j (A's row g) and j + 8
-    row_lo, _ = weight_row(pid, j, N_OUT, HALF, SILU_MUL)
-    row_hi, _ = weight_row(pid, j + 8, N_OUT, HALF, SILU_MUL)
+    row_lo, _ = _weight_row(pid, j, N_OUT, HALF, SILU_MUL)
+    row_hi, _ = _weight_row(pid, j + 8, N_OUT, HALF, SILU_MUL)
     if TILED:  # [N / 16, K / 128, 32 lanes, 8 words]: a warp's block is 1 KB in one piece
         lane_words = (row_lo // 16) * (2 * K) + block * 256 + ((row_lo % 16) * 4 + t) * 8
         words_lo = qweight_ptr + lane_words[:, None] + tl.arange(0, 4)[None, :]
@@ -247,13 +247,13 @@ def _mma_gemv_kernel(
         xa, xb, xc, xd, xs = n_xa, n_xb, n_xc, n_xd, n_xs
     if PDL and LATE_TRIGGER:  # its weights read: the kernel after may launch (kernels/pdl.py)
         gdc_launch_dependents()
-    rows, valid = weight_row(pid, tl.arange(0, BLOCK_N), N_OUT, HALF, SILU_MUL)
+    rows, valid = _weight_row(pid, tl.arange(0, BLOCK_N), N_OUT, HALF, SILU_MUL)
     out_rows = tl.where(valid, rows, N)
     if MULTI:
         # acc (block, tile, g, t): y[2t + e, tile * 16 + g + 8h] in acc{2h + e}
-        lo = tl.reshape(tl.join(tile_sums(acc0, UNROLL, NT, K_WARPS), tile_sums(acc1, UNROLL, NT, K_WARPS)),
+        lo = tl.reshape(tl.join(_tile_sums(acc0, UNROLL, NT, K_WARPS), _tile_sums(acc1, UNROLL, NT, K_WARPS)),
                         (NT, 8, 8))  # (tile, g, x row)
-        hi = tl.reshape(tl.join(tile_sums(acc2, UNROLL, NT, K_WARPS), tile_sums(acc3, UNROLL, NT, K_WARPS)),
+        hi = tl.reshape(tl.join(_tile_sums(acc2, UNROLL, NT, K_WARPS), _tile_sums(acc3, UNROLL, NT, K_WARPS)),
                         (NT, 8, 8))
         partial = tl.reshape(tl.permute(tl.join(lo, hi), (0, 3, 1, 2)), (BLOCK_N, 8))  # y^T: output tile * 16 + 8h + g
         offs_m = tl.arange(0, 8)
@@ -263,8 +263,8 @@ def _mma_gemv_kernel(
     else:
         # acc (block, tile, g, t): outputs tile * 16 + g (acc0) and + 8 (acc1), the same for every t.
         first_t = tl.arange(0, 4)[None, None, :] == 0
-        lo_sums = tl.sum(tl.where(first_t, tile_sums(acc0, UNROLL, NT, K_WARPS), 0.0), axis=2)
-        hi_sums = tl.sum(tl.where(first_t, tile_sums(acc1, UNROLL, NT, K_WARPS), 0.0), axis=2)
+        lo_sums = tl.sum(tl.where(first_t, _tile_sums(acc0, UNROLL, NT, K_WARPS), 0.0), axis=2)
+        hi_sums = tl.sum(tl.where(first_t, _tile_sums(acc1, UNROLL, NT, K_WARPS), 0.0), axis=2)
         partial = tl.reshape(tl.permute(tl.join(lo_sums, hi_sums), (0, 2, 1)), (BLOCK_N,))  # output tile * 16 + 8h + g
         total, is_last = sum_splits(partial[:, None], tl.arange(0, 1), out_rows, 1, N, split_k, ws_ptr, lock_ptr)
         total = rms_scale(tl.reshape(total, (BLOCK_N,)), ss, K, rms_eps, RMS)
@@ -275,7 +275,7 @@ def _mma_gemv_kernel(
 
 
 @triton.jit
-def tile_sums(acc, UNROLL: tl.constexpr, TILES: tl.constexpr, K_WARPS: tl.constexpr):
+def _tile_sums(acc, UNROLL: tl.constexpr, TILES: tl.constexpr, K_WARPS: tl.constexpr):
     """[T] accumulators (block, tile, k warp, g, t) -> summed over the warp's blocks of the
     step and the tile's warps (across warps: Triton's sum, through shared memory), [TILES, 8, 4]."""
     sums = tl.sum(tl.reshape(acc, (UNROLL, TILES, K_WARPS, 8, 4)), axis=0)

@@ -14,9 +14,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        # max |weight|, measured once the weights are in (measure_norm_weights): a normed x is
-        # then bounded by sqrt(D) times it (kernels.Normed.fp16_safe). None: unknown.
-        self.weight_max: float | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -39,14 +36,7 @@ def add_norm(
     INT4 linears; the MLP through its down_proj) has its batch-1 GEMV do the first half of the
     norm, and the normed half is a `kernels.Normed` for the GEMV after to finish
     (kernels/triton_add_norm.py)."""
-    return project_add_norm(proj, x, AddNorm(residual, norm.weight, norm.eps, slot, norm.weight_max))
-
-
-def measure_norm_weights(model: nn.Module) -> None:
-    """Record each RMSNorm's max |weight| (one device sync each, at load, before any CUDA graph)."""
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.weight_max = float(module.weight.detach().abs().max())
+    return project_add_norm(proj, x, AddNorm(residual, norm.weight, norm.eps, slot))
 
 
 def project_add_norm(

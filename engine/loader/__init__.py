@@ -19,7 +19,6 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.layers.norm import measure_norm_weights
 from engine.loader.gguf_file import gguf_hf_config, gguf_weights
 from engine.loader.presets import PRESETS
 from engine.models import CausalLM, ModelArchConfig
@@ -123,7 +122,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, se
         raise ModelLoadError(f"weights of {source.path} do not match {arch.architecture}: {e}") from e
     if method is not None and not method.quantizes_checkpoint:
         quantize_model(model, method)  # online: quantize the loaded weights
-    measure_norm_weights(model)
     return model.eval()
 
 
