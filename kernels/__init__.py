@@ -78,22 +78,18 @@ def rotary_paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rotary_write_kv_cache` of the new tokens, then `paged_attention`: query [T, Hq, D],
     key and value [T, Hkv, D] not yet rotated, cos / sin [T, D/2] fp32 -> [T, Hq, D]. On CUDA
     a decode-only batch takes one kernel for all of it (the split-K decode attention rotates
     and caches the new token itself: kernels/triton_decode_attention.py); on CUDA query and
-    key may be rotated in place (their storage overwritten). prefetch: a weight (the next
-    GEMV's) the decode attention brings into the L2 for it (kernels/l2_prefetch.py)."""
+    key may be rotated in place (their storage overwritten)."""
     if query.is_cuda and meta.is_decode_only:
-        from kernels.l2_prefetch import prefetchable
         from kernels.triton_decode_attention import rotary_decode_attention
 
         return rotary_decode_attention(
             query, key, value, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
             max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
-            prefetch=prefetch if prefetchable(prefetch) else None,
         )  # fmt: skip
     query, key = rotary_write_kv_cache(query, key, value, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
     return paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
@@ -131,9 +127,6 @@ def fused_add_rms_norm(
 # the next layer's qkv) are done by the two GEMVs (kernels/triton_add_norm.py); False: the
 # norm's own launch.
 ADD_NORM_EPILOGUE = True
-# Whether the batch-1 decode attention brings o_proj's weight into the L2 while it runs
-# (kernels/l2_prefetch.py); False: o_proj reads it from HBM.
-L2_PREFETCH = True
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import pdl
 from kernels.fp8_kv import is_fp8
-from kernels.l2_prefetch import THREADS as PREFETCH_THREADS
-from kernels.l2_prefetch import prefetch_share
 from kernels.triton_decode_combine import combine_splits_kernel
 from kernels.triton_rotary_kv import cos_sin_row, rotate_and_cache_new_kv, rotate_heads
 
@@ -157,8 +155,6 @@ def _decode_split_kernel(
     stride_kv_token,
     stride_kv_head,
     stride_table_seq,
-    prefetch_ptr,  # PREFETCH: a weight to bring into the L2 (kernels/l2_prefetch.py)
-    prefetch_bytes,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -172,7 +168,6 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
     ROTARY: tl.constexpr,
     EARLY_TILE: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -209,11 +204,6 @@ def _decode_split_kernel(
         )  # fmt: skip
         if PDL:
             gdc_wait()
-    if PREFETCH:  # after the wait: the GEMV before has stopped streaming
-        prefetch_share(
-            prefetch_ptr, prefetch_bytes, (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split,
-            tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH_THREADS,
-        )  # fmt: skip
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -334,7 +324,6 @@ def rotary_decode_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.rotary_write_kv_cache` of the new tokens, then `decode_attention`, with no
     launch between them: q [B, Hq, D], k and v [B, Hkv, D] (not rotated; views of the qkv
@@ -343,8 +332,6 @@ def rotary_decode_attention(
     row). Every split rotates q and the new k in registers and attends over the cached
     tokens plus the new one; the first split of each KV head writes the new k and v into
     the cache, with the roundings of `rotary_write_kv_cache`. q, k and v are not modified.
-    prefetch: a weight (the o projection's) the programs bring into the L2 between their
-    wait and their reads (kernels/l2_prefetch.py), or None.
     """
     num_tokens, _, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -356,7 +343,7 @@ def rotary_decode_attention(
     sin = sin.reshape(num_tokens, head_dim // 2)
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1
     new = NewTokens(k, v, cos, sin, slot_mapping)
-    return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new, prefetch)
+    return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new)
 
 
 def _decode(
@@ -370,10 +357,8 @@ def _decode(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     new: NewTokens | None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Both launches; `new`: rotate and cache the new tokens first (`rotary_decode_attention`);
-    `prefetch`: a weight to bring into the L2 (with `new` only: the early-tile path)."""
+    """Both launches; `new`: rotate and cache the new tokens first (`rotary_decode_attention`)."""
     batch_size, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     assert kv_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -409,7 +394,6 @@ def _decode(
         rotary.cos.stride(0), rotary.sin.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
-        prefetch if prefetch is not None else seq_lens, 0 if prefetch is None else prefetch.numel() * prefetch.element_size(),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -424,7 +408,6 @@ def _decode(
         PDL=use_pdl,
         ROTARY=new is not None,
         EARLY_TILE=new is not None and EARLY_FIRST_TILE,
-        PREFETCH=prefetch is not None and use_pdl and new is not None and EARLY_FIRST_TILE,
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope
@@ -71,18 +70,9 @@ class Attention(nn.Module):
         # Rotate q and k, write k and v into the cache, attend. On CUDA a prefill rotates and
         # writes in one launch; decode attention rotates and writes the new token itself.
         o = rotary_paged_attention(
-            q, k, v, rope.cos, rope.sin, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
-            prefetch=self._o_weight() if q.shape[0] == 1 and kernels.L2_PREFETCH else None,
+            q, k, v, rope.cos, rope.sin, kv_cache, meta, self.scale, self.k_scale, self.v_scale
         )  # [T, Hq, D]
         return o.reshape(-1, self.q_size)
-
-
-    def _o_weight(self) -> torch.Tensor | None:
-        """The weight tensor o_proj streams (its packed one where quantized), for the L2 prefetch."""
-        weight = getattr(self.o_proj, "qweight", None)
-        if weight is None:
-            weight = getattr(self.o_proj, "weight", None)
-        return weight if isinstance(weight, torch.Tensor) else None
 
 
 def kv_scales(model: nn.Module) -> list[torch.Tensor]:
