@@ -6,7 +6,8 @@ where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same r
         [--int4-gemv mma,read] [--rounds 3]
 
 Methods: bf16 and the quantization names; gptq-lm-head is gptq with lm_head quantized too
-(a checkpoint declaring `lm_head: true`), so the logits GEMV reads INT4 as well.
+(a checkpoint declaring `lm_head: true`), so the logits GEMV reads INT4 as well; fp8-lm-head
+and int8-lm-head are fp8 and int8 with `quantize_lm_head` (1-byte logits GEMV).
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
 (time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs; the median of
 `--rounds`) and offline
@@ -60,19 +61,22 @@ def record(**row: Any) -> None:
     print(json.dumps(row), flush=True)
 
 
-# Methods beyond the quantization names: a GPTQ checkpoint that quantizes lm_head too.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+# Methods beyond the quantization names, (quantization, hf_overrides, LLM options): a GPTQ
+# checkpoint that quantizes lm_head too, and the online methods asked to.
+VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gptq-lm-head": ("gptq", {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                                      "lm_head": True}}),
+                                                      "lm_head": True}}, {}),
+    "fp8-lm-head": ("fp8", {}, {"quantize_lm_head": True}),
+    "int8-lm-head": ("int8", {}, {"quantize_lm_head": True}),
 }
 
 
 def make_llm(method: str, max_num_seqs: int, num_blocks: int, max_model_len: int, batched: int) -> LLM:
-    quantization, overrides = VARIANTS.get(method, (method, {}))
+    quantization, overrides, options = VARIANTS.get(method, (method, {}, {}))
     return LLM(PRESET, load_format="dummy", device="cuda", dtype="bfloat16", num_blocks=num_blocks,
                block_size=16, max_model_len=max_model_len, max_num_batched_tokens=batched,
                max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-               quantization=None if method == "bf16" else quantization, hf_overrides=overrides)
+               quantization=None if method == "bf16" else quantization, hf_overrides=overrides, **options)
 
 
 def batch1_itl(method: str, rounds: int = 3) -> tuple[float, list[int]]:

@@ -36,6 +36,9 @@ class ModelConfig:
     # "int8" (weight-only), "fp8" (W8A8), "gptq", "awq" (INT4 checkpoints); None: the
     # checkpoint's quantization_config.quant_method, if it declares one (engine/quantization).
     quantization: str | None = None
+    # The online methods (fp8, int8) quantize lm_head too (as TensorRT-LLM's --quantize_lm_head;
+    # vLLM keeps it unquantized, as does the default): the logits GEMV reads 1-byte weights.
+    quantize_lm_head: bool = False
 
     def validate(self) -> None:
         if not self.model:

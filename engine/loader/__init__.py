@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
+from engine.errors import ConfigError, ModelLoadError
 from engine.loader.gguf_file import gguf_hf_config, gguf_weights
 from engine.loader.presets import PRESETS
 from engine.models import CausalLM, ModelArchConfig
@@ -37,6 +37,7 @@ class ModelSource:
     hf_config: dict[str, Any]
     # The quantization method the model runs with (engine/quantization.select_method).
     quantization: str | None = None
+    quantize_lm_head: bool = False  # ModelConfig.quantize_lm_head
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -63,7 +64,12 @@ def bundled_model_path() -> Path:
 
 def resolve(config: ModelConfig) -> ModelSource:
     source = _locate(config)
-    return dataclasses.replace(source, quantization=select_method(config.quantization, source.hf_config))
+    method = select_method(config.quantization, source.hf_config)
+    if config.quantize_lm_head:
+        if method is None:
+            raise ConfigError("model.quantize_lm_head needs model.quantization 'fp8' or 'int8'")
+        get_method(method, source.hf_config, quantize_lm_head=True)  # refuses the checkpoint methods
+    return dataclasses.replace(source, quantization=method, quantize_lm_head=config.quantize_lm_head)
 
 
 def _locate(config: ModelConfig) -> ModelSource:
@@ -106,7 +112,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, se
     model = build_model(arch, dtype, device)
     method: QuantMethod | None = None
     if source.quantization is not None:
-        method = get_method(source.quantization, source.hf_config)
+        method = get_method(source.quantization, source.hf_config, source.quantize_lm_head)
         if method.quantizes_checkpoint:  # the checkpoint's packed tensors load into its modules
             quantize_model(model, method, convert=False)
     try:

@@ -33,9 +33,11 @@ QUANT_METHODS: dict[str, str] = {
 METHOD_NAMES: tuple[str, ...] = tuple(QUANT_METHODS)
 
 
-def get_method(name: str, hf_config: dict[str, Any] | None = None) -> QuantMethod:
+def get_method(name: str, hf_config: dict[str, Any] | None = None, quantize_lm_head: bool = False) -> QuantMethod:
     """The method called `name`; `hf_config` (the checkpoint's config.json) configures the
-    checkpoint methods (group size, bits)."""
+    checkpoint methods (group size, bits); `quantize_lm_head` (`model.quantize_lm_head`):
+    an online method quantizes lm_head too (a checkpoint method reads that from the
+    checkpoint, so it refuses the option)."""
     if name not in QUANT_METHODS:
         raise ConfigError(f"model.quantization: {name!r} is not one of {list(METHOD_NAMES)} (or null)")
     module_name, class_name = QUANT_METHODS[name].split(":")
@@ -46,7 +48,15 @@ def get_method(name: str, hf_config: dict[str, Any] | None = None) -> QuantMetho
             raise
         raise ConfigError(f"model.quantization: {name!r} is not available in this build ({module_name} is missing)") from None
     cls = getattr(module, class_name)
-    method: QuantMethod = cls.from_hf_config(hf_config or {}) if hasattr(cls, "from_hf_config") else cls()
+    if hasattr(cls, "from_hf_config"):
+        if quantize_lm_head:
+            raise ConfigError(
+                f"model.quantize_lm_head applies to the online methods (fp8, int8); a {name!r} checkpoint "
+                "declares whether its lm_head is quantized (quantization_config.lm_head): unset quantize_lm_head"
+            )
+        method: QuantMethod = cls.from_hf_config(hf_config or {})
+    else:
+        method = cls(quantize_lm_head=quantize_lm_head)
     return method
 
 
@@ -94,7 +104,9 @@ def quantize_model(model: CausalLM, method: QuantMethod, convert: bool = True) -
             f"({config.architecture}); unset quantization for this model"
         )
     if method.quantizes_lm_head:
-        if config.tie_word_embeddings:
+        # An online method quantizes a copy and leaves the embedding as it is; a checkpoint's
+        # packed lm_head cannot also be the embedding.
+        if config.tie_word_embeddings and not convert:
             raise ModelLoadError(
                 f"quantization_config.lm_head is true, but {config.architecture} ties lm_head to the "
                 "embedding (tie_word_embeddings), which stays unquantized: use a checkpoint quantized "

@@ -62,7 +62,8 @@ class QuantMethod(Protocol):
 
     @property
     def quantizes_lm_head(self) -> bool:
-        """True: lm_head is swapped as well (a GPTQ checkpoint declaring `lm_head: true`)."""
+        """True: lm_head is swapped as well (a GPTQ checkpoint declaring `lm_head: true`; an
+        online method built with `quantize_lm_head=True`)."""
         ...
 
     def check_hf_config(self, hf_config: dict[str, Any]) -> None:

@@ -16,7 +16,11 @@ class OnlineMethod:
     name: ClassVar[str]
     linear_class: ClassVar[type[nn.Module]]
     quantizes_checkpoint = False
-    quantizes_lm_head = False
+
+    def __init__(self, quantize_lm_head: bool = False) -> None:
+        # lm_head too (`model.quantize_lm_head`): the logits read the quantized weight; a
+        # model that ties lm_head to the embedding keeps a full-precision embedding.
+        self.quantizes_lm_head = quantize_lm_head
 
     def check_hf_config(self, hf_config: dict[str, Any]) -> None:
         refuse_prequantized(self.name, hf_config)

@@ -209,3 +209,38 @@ def test_engine_swaps_every_projection_and_generates(method: str, module_type: t
     assert isinstance(llm.core.model.lm_head, torch.nn.Linear)  # the lm_head stays unquantized
     out = llm.generate([[1, 5, 9, 17], [4, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+
+
+@pytest.mark.parametrize(("method", "module_type"), [("int8", Int8Linear), ("fp8", Fp8Linear)])
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied-to-embedding"])
+def test_quantize_lm_head_swaps_it_and_keeps_the_embedding(method: str, module_type: type, tied: bool) -> None:
+    llm = LLM("llama-3.2-1b", quantization=method, quantize_lm_head=True,
+              **{**ENGINE, "hf_overrides": {**TINY, "tie_word_embeddings": tied}})  # fmt: skip
+    model: Any = llm.core.model
+    assert isinstance(model.lm_head, module_type)
+    embedding = model.model.embed_tokens.weight
+    assert embedding.dtype == torch.float32  # the embedding stays as loaded, tied or not
+    # lm_head holds a quantized copy of its own weight (the embedding's, where tied)
+    reference = LLM("llama-3.2-1b", **{**ENGINE, "hf_overrides": {**TINY, "tie_word_embeddings": tied}}).core.model
+    torch.testing.assert_close(embedding, reference.model.embed_tokens.weight)
+    hidden = torch.randn(3, TINY["hidden_size"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference.lm_head(hidden)
+        got = model.lm_head(hidden)
+    assert not torch.equal(got, want)  # quantized: not the float product
+    rel = float((got - want).norm() / want.norm())
+    assert rel < (0.01 if method == "int8" else 0.1), rel  # a step of the format, not a wrong layout
+    out = llm.generate([[1, 5, 9, 17]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_quantize_lm_head_needs_an_online_method(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="quantize_lm_head needs model.quantization 'fp8' or 'int8'"):
+        LLM("llama-3.2-1b", quantize_lm_head=True, **ENGINE)
+    config = {"architectures": ["LlamaForCausalLM"], **TINY, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"applies to the online methods.*'gptq' checkpoint.*quantization_config.lm_head"):
+        LLM(str(tmp_path), quantize_lm_head=True, **{**ENGINE, "hf_overrides": {}})
+    path = tmp_path / "engine.yaml"
+    path.write_text("engine:\n  model:\n    quantization: fp8\n    quantize_lm_head: true\n")
+    assert EngineConfig.from_yaml(path).model.quantize_lm_head
