@@ -82,9 +82,9 @@ def test_logits_stay_close_to_the_unquantized_model(
 ) -> None:
     method, llm = quantized
     layer: Any = llm.core.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, MODULE_TYPES[method.removesuffix("-lm-head")])
-    lm_head_type = MODULE_TYPES[method.removesuffix("-lm-head")] if method.endswith("-lm-head") else torch.nn.Linear
-    assert isinstance(llm.core.model.lm_head, lm_head_type)
+    base = method.removesuffix("-lm-head")
+    assert isinstance(layer.mlp.down_proj, MODULE_TYPES[base])
+    assert isinstance(llm.core.model.lm_head, MODULE_TYPES[base] if base != method else torch.nn.Linear)
     ref = reference_logits
     got = torch.cat(prefill_logits(llm.core.model, _token_lists(smollm2), block_size=16))
     agree = ref.argmax(-1) == got.argmax(-1)
