@@ -95,10 +95,6 @@ UNROLL_ONE_WARPS = 20
 # pick_mma_gemv_config at 2-8 rows of x (four accumulators a lane): at most this many warps a
 # tile (down at 2 rows: 8 warps 14.5 us, 4 warps 12.8; session 17).
 ROWS_WARP_SPLIT = 4
-# Steps of its weight (tiles layout) a program has in flight in the L2 beyond the one in its
-# registers, through Hopper's bulk L2 prefetch (0: none): issued before the PDL wait for the
-# first steps, then one step a loop step.
-PREFETCH_STEPS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,23 +162,6 @@ def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_steps(qweight_ptr, pid, start, stop, K, N_OUT, HALF: tl.constexpr, SILU_MUL: tl.constexpr,
-                    NT: tl.constexpr, STEP: tl.constexpr, WARPS: tl.constexpr):  # fmt: skip
-    """Bulk L2 prefetch of steps [start, stop) of each of the program's tiles (tiles layout: a
-    tile's blocks are one run of K / 128 KB): warp w's first lane issues tile w's."""
-    lane = tl.arange(0, WARPS * 32)
-    w = lane // 32
-    row, valid = _weight_row(pid, w * 16, N_OUT, HALF, SILU_MUL)
-    nbytes = (tl.maximum(stop - start, 0) * STEP * 1024).to(tl.int32)
-    size = tl.where((lane % 32 == 0) & (w < NT) & valid, nbytes, 0)
-    address = qweight_ptr.to(tl.pointer_type(tl.uint8)) + (row // 16).to(tl.int64) * (K // 128) * 1024 + start * STEP * 1024
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _mma_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, ws_ptr, lock_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, stride_qn, split_k, residual_ptr, h_ptr, norm_weight_ptr, hg_ptr, ss_out_ptr,
@@ -190,7 +169,7 @@ def _mma_gemv_kernel(
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
     CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False, K_WARPS: tl.constexpr = 1,
-    ADD_NORM: tl.constexpr = False, RMS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    ADD_NORM: tl.constexpr = False, RMS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS / K_WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -248,9 +227,6 @@ def _mma_gemv_kernel(
         tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
         STEP, ZERO_OFFSET, FP16, TILED,
     )  # fmt: skip
-    if PREFETCH > 0:
-        _prefetch_steps(qweight_ptr, pid, first + 1, tl.minimum(first + 1 + PREFETCH, last), K, N_OUT, HALF, SILU_MUL,
-                        NT, STEP, WARPS)  # fmt: skip
     if PDL:
         gdc_wait()
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,9 +235,6 @@ def _mma_gemv_kernel(
     xa, xb, xc, xd, xs = _load_x(tl.minimum(first, last - 1), x_pairs, x_share, STEP, MULTI)
     for step in tl.range(first, last, num_stages=1):
         ahead = tl.minimum(step + 1, last - 1)
-        if PREFETCH > 0:
-            _prefetch_steps(qweight_ptr, pid, step + 1 + PREFETCH, tl.minimum(step + 2 + PREFETCH, last), K, N_OUT, HALF,
-                            SILU_MUL, NT, STEP, WARPS)  # fmt: skip
         n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
             ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
             STEP, ZERO_OFFSET, FP16, TILED,
@@ -406,7 +379,7 @@ def _gemv_pairs_mma(
         GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
-        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, PREFETCH=PREFETCH_STEPS if tiled else 0, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
+        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
         **epilogue,
     )  # fmt: skip
     return y, outputs
