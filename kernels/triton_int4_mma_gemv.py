@@ -95,10 +95,6 @@ UNROLL_ONE_WARPS = 20
 # pick_mma_gemv_config at 2-8 rows of x (four accumulators a lane): at most this many warps a
 # tile (down at 2 rows: 8 warps 14.5 us, 4 warps 12.8; session 17).
 ROWS_WARP_SPLIT = 4
-# Registers a thread at most (ptxas' .maxnreg), for configs of two blocks a step (0: the
-# compiler's choice, 128 there: two 8-warp programs then fill an SM's register file, and the
-# kernel after cannot be resident until they exit).
-MAX_REGISTERS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +380,6 @@ def _gemv_pairs_mma(
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
         TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
-        **epilogue, **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and config.unroll > 1 else {}),
+        **epilogue,
     )  # fmt: skip
     return y, outputs
