@@ -117,8 +117,9 @@ MMA_SWEEP = [
 ]
 
 
-# (block_n, num_warps) above one row: 64 x 16-64 on 2 warps (mma.sync), 128 x 16-64 on 4 (wgmma)
-MMA_WIDE_TILES = ((64, 2), (128, 4))
+# (block_n, num_warps, block_m) above one row: 64 x 16-64 on 2 warps (mma.sync), 128 x 16-64 on 4
+# (wgmma); from 65 rows also 128 rows of x a tile (each weight dequantized once)
+MMA_WIDE_TILES = ((64, 2, None), (128, 4, None), (64, 4, 128), (128, 8, 128), (128, 4, 128))
 
 
 def mma_row(
@@ -145,6 +146,10 @@ def mma_row(
             cfg = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))
             calls = [functools.partial(gemv_rows, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg, True) for s in sets]
             row["m1_pairs_gemv_us"] = round(timed(calls), 2)
+        if m > 1:  # the bf16 product it replaces (cuBLAS, as decode runs bf16 above one row)
+            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            row[f"m{m}_bf16_us"] = round(timed([functools.partial(torch.matmul, x, w.t()) for w in dense]), 2)
+            del dense
         sweep = []
         default = pick_mma_config(m, n, k, num_sms)
         if quick:
@@ -153,7 +158,9 @@ def mma_row(
             configs = [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP]
         else:  # the split of K (its fp32 partials grow with the rows of x) on both tile shapes
             configs = [default] + [
-                pick_mma_config(m, n, k, num_sms, bn, w, pps) for (bn, w), pps in itertools.product(MMA_WIDE_TILES, (1, 2, 4, 8))
+                pick_mma_config(m, n, k, num_sms, bn, w, pps, block_m=bm)
+                for (bn, w, bm), pps in itertools.product(MMA_WIDE_TILES, (1, 2, 4, 8))
+                if bm is None or m > 64
             ]
         for cfg in configs:
             calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
