@@ -207,14 +207,16 @@ def _product(
 ):  # fmt: skip
     """acc + one block's product, by `_block_product_one_dot` (ONE_DOT) or `_block_product`."""
     if ONE_DOT:
-        return _block_product_one_dot(
+        acc = _block_product_one_dot(
             acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET, PTX,
             FP16,
         )  # fmt: skip
-    return _block_product(
-        acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET, BLOCK_M,
-        GROUP_P, PTX, FP16,
-    )  # fmt: skip
+    else:
+        acc = _block_product(
+            acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET,
+            BLOCK_M, GROUP_P, PTX, FP16,
+        )  # fmt: skip
+    return acc
 
 
 @triton.jit
