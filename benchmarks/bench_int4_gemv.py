@@ -12,7 +12,8 @@ tiles against the GPTQ kernels, and a check of each path against the torch refer
 
 `--silu-mul`: gate_up's pairs GEMV (its default, and the sweep) also applies SiLU-and-mul, as
 decode runs it. `--mma`: the tensor-core kernel (kernels/triton_int4_mma.py) against the GEMV and the rows
-layout's tiles instead, per rows of x.
+layout's tiles instead, per rows of x, and above one row against the bf16 product it replaces
+(cuBLAS, `m{rows}_bf16_us`).
 """
 
 from __future__ import annotations
@@ -117,9 +118,8 @@ MMA_SWEEP = [
 ]
 
 
-# (block_n, num_warps, block_m) above one row: 64 x 16-64 on 2 warps (mma.sync), 128 x 16-64 on 4
-# (wgmma); from 65 rows also 128 rows of x a tile (each weight dequantized once)
-MMA_WIDE_TILES = ((64, 2, None), (128, 4, None), (64, 4, 128), (128, 8, 128), (128, 4, 128))
+# (block_n, num_warps) above one row: 64 x 16-64 on 2 warps (mma.sync), 128 x 16-64 on 4 (wgmma)
+MMA_WIDE_TILES = ((64, 2), (128, 4))
 
 
 def mma_row(
@@ -158,9 +158,7 @@ def mma_row(
             configs = [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP]
         else:  # the split of K (its fp32 partials grow with the rows of x) on both tile shapes
             configs = [default] + [
-                pick_mma_config(m, n, k, num_sms, bn, w, pps, block_m=bm)
-                for (bn, w, bm), pps in itertools.product(MMA_WIDE_TILES, (1, 2, 4, 8))
-                if bm is None or m > 64
+                pick_mma_config(m, n, k, num_sms, bn, w, pps) for (bn, w), pps in itertools.product(MMA_WIDE_TILES, (1, 2, 4, 8))
             ]
         for cfg in configs:
             calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]

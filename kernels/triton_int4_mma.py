@@ -65,11 +65,6 @@ SILU_MUL_GEMV = True
 MMA_GEMV_MAX_ROWS = 8
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
-# A block's four runs of 32 inputs as one K = 128 product with the group scales folded into
-# the weights (True: (q - zero) * scale rounded once to x's dtype, as the prefill dequantize
-# rounds, one tl.dot chain over K), or four K = 32 products of exact q - zero, each group's
-# fp32 sum scaled (False).
-ONE_DOT = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -141,53 +136,6 @@ def _block_product(
 
 
 @triton.jit
-def _scaled_weights(halves, zero, scale, P: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr):
-    """(q - zero) * scale of nibble P of each int16 half: `_weights`, times the group's scale
-    (fp32 [BN, 1]) rounded once to x's dtype with PTX, else fp32."""
-    w = _weights(halves, zero, P, PTX, FP16)
-    if not PTX:
-        return w * scale
-    return (w.to(tl.float32) * scale).to(w.dtype)
-
-
-@triton.jit
-def _scale_zero(block, p, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET: tl.constexpr):
-    """The scale (fp32) and zero (+ ZERO_OFFSET) of each output's group at run p of `block`, [BN, 1]."""
-    group = (block * 128 + 32 * p) // group_size
-    scale = tl.load(scales_ptr + group * N + rows_n).to(tl.float32)
-    zero = ((tl.load(qzeros_ptr + group * (N // 8) + rows_n // 8) >> zero_shift) & 0xF) + ZERO_OFFSET
-    return scale[:, None], zero[:, None]
-
-
-@triton.jit
-def _block_product_one_dot(
-    acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
-    ZERO_OFFSET: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr,
-):  # fmt: skip
-    """acc [BN, BM] + one block's product as a single K = 128 tl.dot: the four runs' scaled
-    weights joined as [BN, 32, 2, 2] (element (c, j, i) is input 32 (2i + j) + c) and read as
-    [BN, 128], x_rows the [128, BM] pointers of x^T in that order (`_one_dot_rows`)."""
-    BLOCK_N: tl.constexpr = halves.shape[0]
-    s0, z0 = _scale_zero(block, 0, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET)
-    s1, z1 = _scale_zero(block, 1, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET)
-    s2, z2 = _scale_zero(block, 2, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET)
-    s3, z3 = _scale_zero(block, 3, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET)
-    w01 = tl.join(_scaled_weights(halves, z0, s0, 0, PTX, FP16), _scaled_weights(halves, z1, s1, 1, PTX, FP16))
-    w23 = tl.join(_scaled_weights(halves, z2, s2, 2, PTX, FP16), _scaled_weights(halves, z3, s3, 3, PTX, FP16))
-    w = tl.reshape(tl.join(w01, w23), (BLOCK_N, 128))
-    x_t = tl.load(x_rows + block * 128, mask=mask_m[None, :], other=0.0)  # [128, BM]
-    return tl.dot(w, x_t.to(w.dtype), acc, input_precision="ieee" if not PTX else None)
-
-
-@triton.jit
-def _one_dot_rows(x_ptr, offs_m, stride_xm):
-    """x^T's [128, BM] pointers for `_block_product_one_dot`: row r = 4c + 2j + i is input 32 (2i + j) + c."""
-    r = tl.arange(0, 128)
-    inputs = 32 * (2 * (r % 2) + (r // 2) % 2) + r // 4
-    return x_ptr + offs_m[None, :] * stride_xm + inputs[:, None]
-
-
-@triton.jit
 def _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED: tl.constexpr):
     """-> (pointers to block 0's halves [BN, 32] of rows_n, halves from one block to the next).
     Pairs: row n's halves are contiguous. Tiles: half c of row n's block is in the 16-byte
@@ -200,32 +148,12 @@ def _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED: tl.constexpr):
 
 
 @triton.jit
-def _product(
-    acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
-    ZERO_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr,
-    ONE_DOT: tl.constexpr,
-):  # fmt: skip
-    """acc + one block's product, by `_block_product_one_dot` (ONE_DOT) or `_block_product`."""
-    if ONE_DOT:
-        acc = _block_product_one_dot(
-            acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET, PTX,
-            FP16,
-        )  # fmt: skip
-    else:
-        acc = _block_product(
-            acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size, ZERO_OFFSET,
-            BLOCK_M, GROUP_P, PTX, FP16,
-        )  # fmt: skip
-    return acc
-
-
-@triton.jit
 def _pairs_mma_kernel(
     x_ptr, halves_ptr, qzeros_ptr, scales_ptr, bias_ptr, ws_ptr, lock_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, stride_hn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_P: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, TILED: tl.constexpr = False, ONE_DOT: tl.constexpr = False,
+    EARLY: tl.constexpr, TILED: tl.constexpr = False,
 ):  # fmt: skip
     """Program (M block, N block, split). halves: the qweight as int16 [N, K/4]; half c of a
     block, nibble p, is input 32 p + c of the block. GROUP_P: runs of 32 inputs per group
@@ -242,41 +170,38 @@ def _pairs_mma_kernel(
     per_split = tl.cdiv(num_blocks, split_k)
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, num_blocks)
-    if ONE_DOT:
-        x_rows = _one_dot_rows(x_ptr, offs_m, stride_xm)
-    else:
-        x_rows = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T [32, BM] of a run of 32
+    x_rows = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T [32, BM] of a run of 32
     weights, block_halves = _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL and EARLY:
         early = tl.load(weights + first * block_halves, mask=first < last, other=0)  # weights: no kernel of the chain writes them
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
         if first < last:
-            acc = _product(
+            acc = _block_product(
                 acc, early, first, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
-                ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, ONE_DOT,
+                ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
             )  # fmt: skip
         first += 1
     elif PDL:
         gdc_wait()
     for block in tl.range(first, last, num_stages=NUM_STAGES):
-        acc = _product(
+        acc = _block_product(
             acc, tl.load(weights + block * block_halves), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
-            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, ONE_DOT,
+            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
         )  # fmt: skip
     reduce_splits(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
 
 def pick_mma_config(
     m: int, n: int, k: int, num_sms: int, block_n: int | None = None, num_warps: int | None = None,
-    programs_per_sm: int | None = None, num_stages: int = 3, early: bool | None = None, block_m: int | None = None,
+    programs_per_sm: int | None = None, num_stages: int = 3, early: bool | None = None,
 ) -> MmaConfig:  # fmt: skip
     """Split K until about `programs_per_sm` programs per SM. Up to 16 rows of x: tiles of 64
     outputs x 16 rows on 2 warps, 8 programs per SM; above: 128 x 64 on 4 warps, 2 programs per
     SM (the fp32 partials of a split grow with the rows, and 64-row tiles are already enough
     programs). The defaults are the best of benchmarks/bench_int4_gemv.py --mma's sweep on the
     H200 (llama-3.1-8b shapes, 1-128 rows; within 5% of each shape's best, docs/benchmarks.md)."""
-    block_m = block_m or (16 if m <= 16 else 64)
+    block_m = 16 if m <= 16 else 64
     block_n = block_n or (64 if m <= 16 else 128)
     num_warps = num_warps or (2 if m <= 16 else 4)
     programs_per_sm = programs_per_sm or (8 if m <= 16 else 2)
@@ -318,7 +243,7 @@ def int4_mma(
         group_size, config.split_k,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16, PDL=use_pdl,
-        EARLY=config.early, TILED=tiled, ONE_DOT=ONE_DOT,
+        EARLY=config.early, TILED=tiled,
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
