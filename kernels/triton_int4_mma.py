@@ -65,10 +65,6 @@ SILU_MUL_GEMV = True
 MMA_GEMV_MAX_ROWS = 8
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
-# Above 16 rows of x, x as tl.dot's first operand ([BM, 32], the wgmma's M) and the
-# dequantized weight, transposed, as its second ([32, BN], staged in shared memory) (True),
-# or the weight first and x^T second (False).
-X_FIRST = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -120,11 +116,10 @@ def _weights_ptx(halves, zero, P: tl.constexpr, FP16: tl.constexpr):
 def _block_product(
     acc, halves, block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
     ZERO_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr,
-    X_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    """acc [BN, BM] (X_FIRST: [BM, BN]) + the products of one block of 128 inputs (halves: its [BN, 32] int16)."""
+    """acc [BN, BM] + the products of one block of 128 inputs (halves: its [BN, 32] int16)."""
     BLOCK_N: tl.constexpr = halves.shape[0]
-    part = tl.zeros((BLOCK_M, BLOCK_N) if X_FIRST else (BLOCK_N, BLOCK_M), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for p in tl.static_range(4):
         if p % GROUP_P == 0:
             group = (block * 128 + 32 * p) // group_size
@@ -133,13 +128,10 @@ def _block_product(
             zero = ((packed_zero >> zero_shift) & 0xF) + ZERO_OFFSET  # [BN]
         x_t = tl.load(x_rows + block * 128 + 32 * p, mask=mask_m[None, :], other=0.0)  # [32, BM]
         w = _weights(halves, zero[:, None], p, PTX, FP16)
-        if X_FIRST:  # part [BM, BN]
-            part = tl.dot(tl.trans(x_t.to(w.dtype)), tl.trans(w), part, input_precision="ieee" if not PTX else None)
-        else:
-            part = tl.dot(w, x_t.to(w.dtype), part, input_precision="ieee" if not PTX else None)
+        part = tl.dot(w, x_t.to(w.dtype), part, input_precision="ieee" if not PTX else None)
         if (p + 1) % GROUP_P == 0:
-            acc += scale[None, :] * part if X_FIRST else scale[:, None] * part
-            part = tl.zeros(part.shape, dtype=tl.float32)
+            acc += scale[:, None] * part
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     return acc
 
 
@@ -161,7 +153,7 @@ def _pairs_mma_kernel(
     M, N, K, stride_xm, stride_ym, stride_hn, group_size, split_k,
     ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_P: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, FP16: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, TILED: tl.constexpr = False, X_FIRST: tl.constexpr = False,
+    EARLY: tl.constexpr, TILED: tl.constexpr = False,
 ):  # fmt: skip
     """Program (M block, N block, split). halves: the qweight as int16 [N, K/4]; half c of a
     block, nibble p, is input 32 p + c of the block. GROUP_P: runs of 32 inputs per group
@@ -180,14 +172,14 @@ def _pairs_mma_kernel(
     last = tl.minimum(first + per_split, num_blocks)
     x_rows = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]  # x^T [32, BM] of a run of 32
     weights, block_halves = _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED)
-    acc = tl.zeros((BLOCK_M, BLOCK_N) if X_FIRST else (BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL and EARLY:
         early = tl.load(weights + first * block_halves, mask=first < last, other=0)  # weights: no kernel of the chain writes them
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
         if first < last:
             acc = _block_product(
                 acc, early, first, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
-                ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, X_FIRST,
+                ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
             )  # fmt: skip
         first += 1
     elif PDL:
@@ -195,10 +187,8 @@ def _pairs_mma_kernel(
     for block in tl.range(first, last, num_stages=NUM_STAGES):
         acc = _block_product(
             acc, tl.load(weights + block * block_halves), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
-            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16, X_FIRST,
+            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
         )  # fmt: skip
-    if X_FIRST:
-        acc = tl.trans(acc)
     reduce_splits(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
 
@@ -253,7 +243,7 @@ def int4_mma(
         group_size, config.split_k,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16, PDL=use_pdl,
-        EARLY=config.early, TILED=tiled, X_FIRST=X_FIRST and config.block_m >= 64,
+        EARLY=config.early, TILED=tiled,
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y
