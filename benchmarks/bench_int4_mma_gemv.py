@@ -2,8 +2,9 @@
 arithmetic CUDA-core GEMV on the same pairs layout (kernels/triton_int4_rows.py) in the same
 run, on llama-3.1-8b's shapes (many calls in one CUDA graph over weights larger than the L2),
 each at its default config with its relative error against the fp32 reference, gate_up also
-with SiLU-and-mul fused (as decode runs it); then 2, 4 and 8 rows of x (batched decode)
-against the tl.dot tensor-core kernel (kernels/triton_int4_mma.py), and a sweep of the MMA
+with SiLU-and-mul fused (as decode runs it); then 2, 4 and 8 rows of x (batched decode; up
+to MAX_ROWS, in programs of 8 rows) against the tl.dot tensor-core kernel
+(kernels/triton_int4_mma.py) and the bf16 cuBLAS product, and a sweep of the MMA
 GEMV's configs at `--sweep-rows` rows of x (one by default).
 
     PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head] [--rows 2,4,8]
@@ -84,8 +85,10 @@ def shape_row(
             ("mma_silu", lambda s: gemv_pairs_mma(x, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, True, tiled)),
         ):
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
-    for m in rows:  # batched decode: x's rows in the MMA's columns, against the tl.dot kernel
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)] if rows else []
+    for m in rows:  # batched decode: x's rows in the MMA's columns, against the tl.dot kernel and bf16
         xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row[f"bf16_m{m}_us"] = round(timed([functools.partial(torch.matmul, xm, w.t()) for w in dense]), 2)
         refm = int4_reference.int4_gemm(xm.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
         dot = pick_mma_config(m, n, k, num_sms)
         mma = pick_mma_gemv_config(n, k, num_sms, rows=m)

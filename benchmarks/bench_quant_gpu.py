@@ -3,7 +3,7 @@ where the gptq / awq method can build dummy weights), dummy llama-3.1-8b, same r
 
     PYTHONPATH=. python benchmarks/bench_quant_gpu.py [--methods bf16,fp8,int8,gptq] [--no-throughput] [--pdl off,on]
         [--lane-sums off,on] [--decode-rotary off,on] [--lm-head cublas,gemv] [--vary MODULE.ATTR=A,B]
-        [--int4-gemv mma,read] [--rounds 3]
+        [--int4-gemv mma,read] [--rounds 3] [--num-prompts 128]
 
 Methods: bf16 and the quantization names; gptq-lm-head is gptq with lm_head quantized too
 (a checkpoint declaring `lm_head: true`), so the logits GEMV reads INT4 as well; fp8-lm-head
@@ -11,7 +11,8 @@ and int8-lm-head are fp8 and int8 with `quantize_lm_head` (1-byte logits GEMV).
 Per method: batch-1 inter-token latency (as benchmarks/bench_gpu.py: a 128-token prompt,
 (time of 256 tokens - time of 1) / 255, decode replayed from CUDA graphs; the median of
 `--rounds`) and offline
-throughput (128 prompts of 512 random tokens, 128 generated each, all submitted at once).
+throughput (128 prompts of 512 random tokens, 128 generated each, all submitted at once;
+`--num-prompts 16,32,128` for fewer at once: decode steps of that many rows).
 Weights are random (no checkpoints can be downloaded here); speed does not depend on them.
 `--pdl off,on` repeats the batch-1 runs with programmatic dependent launch off and on
 (kernels/pdl.py; the ratios are against the bf16 of the same setting) and checks that both
@@ -186,6 +187,7 @@ def main() -> None:
     parser.add_argument("--no-throughput", action="store_true", help="batch-1 ITL only (a shorter run)")
     parser.add_argument("--pdl", default="on", help="on, off, or off,on: programmatic dependent launch")
     parser.add_argument("--rounds", type=int, default=3, help="batch-1 timings per setting; the median counts")
+    parser.add_argument("--num-prompts", default="128", help="offline throughput's prompts at once, e.g. 16,32,128")
     parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
                         help="also compare these values of a module attribute, e.g. kernels.pdl.SILU_MUL_LATE_TRIGGER=False,True")
     parser.add_argument("--lm-head", default="cublas", help="cublas, gemv, or cublas,gemv: the batch-1 logits")
@@ -222,8 +224,9 @@ def main() -> None:
             record(bench="batch1_itl", model=PRESET, method=method, setting=setting, ms=round(itl * 1e3, 3),
                    vs_bf16=ratio, same_tokens_as=same)
             if not args.no_throughput:
-                record(bench="throughput", model=PRESET, method=method, setting=setting, num_prompts=128,
-                       input_len=512, output_len=128, tok_s=round(throughput(method)))
+                for num in (int(n) for n in args.num_prompts.split(",")):
+                    record(bench="throughput", model=PRESET, method=method, setting=setting, num_prompts=num,
+                           input_len=512, output_len=128, tok_s=round(throughput(method, num)))
     print("RESULTS " + json.dumps(RESULTS))
 
 

@@ -71,8 +71,12 @@ from kernels.triton_add_norm import (
 from kernels.triton_int4_rows import split_steps
 from kernels.triton_linear import store_outputs
 
-# Rows of x the GEMV takes: x's rows are the MMA's 8 columns.
-MAX_ROWS = 8
+# Rows of x the MMA's 8 columns take in one program: x's rows are split into chunks of 8,
+# one program each (grid axis 0, the fastest, so a weight tile's programs run together and
+# all but the first find it in the L2).
+CHUNK_ROWS = 8
+# Rows of x the GEMV takes.
+MAX_ROWS = 32
 # Fewest ranges K is split into. One: gate_up's 448 programs of 64 rows fill the H200's SMs
 # without a split, and splitting it in two costs the partials' round trip (26.2 -> 23.9 us;
 # docs/benchmarks.md, session 14). The x2 GEMV keeps split_steps' default of two.
@@ -189,6 +193,8 @@ def _mma_gemv_kernel(
     HALF: tl.constexpr = BLOCK_N // 2 if SILU_MUL else BLOCK_N
     N_OUT = N // 2 if SILU_MUL else N
     pid = tl.program_id(1)
+    chunk = tl.program_id(0)  # MULTI: x's rows chunk * 8 .. + 7
+    x_ptr += chunk * 8 * stride_xm
     i = tl.arange(0, T)
     lane = i % 32
     slot = (i // 32) % (TILES * WARPS)  # (tile register, warp)
@@ -208,7 +214,7 @@ def _mma_gemv_kernel(
         words_hi = qweight_ptr + row_hi[:, None] * stride_qn + k_words
     x_pairs = x_ptr.to(tl.pointer_type(tl.uint32)) + (block * 64 + 4 * t)[:, None] + tl.arange(0, 4)[None, :]
     if MULTI:  # B's column g is x's row g (rows past M repeat the last; their sums are not stored)
-        x_pairs += (tl.minimum(g, M - 1) * (stride_xm // 2))[:, None]
+        x_pairs += (tl.minimum(g, tl.minimum(M - chunk * 8, 8) - 1) * (stride_xm // 2))[:, None]
     # one row: pairs 16 (g // 2) + 4t + 2 (g % 2) and + 1, the lane's share of the block sum
     share_pairs = block * 64 + 16 * (g // 2) + 4 * t + 2 * (g % 2)
     x_share = x_ptr.to(tl.pointer_type(tl.uint32)) + share_pairs[:, None] + tl.arange(0, 2)[None, :]
@@ -256,7 +262,7 @@ def _mma_gemv_kernel(
         hi = tl.reshape(tl.join(_tile_sums(acc2, UNROLL, NT, K_WARPS), _tile_sums(acc3, UNROLL, NT, K_WARPS)),
                         (NT, 8, 8))
         partial = tl.reshape(tl.permute(tl.join(lo, hi), (0, 3, 1, 2)), (BLOCK_N, 8))  # y^T: output tile * 16 + 8h + g
-        offs_m = tl.arange(0, 8)
+        offs_m = chunk * 8 + tl.arange(0, 8)
         total, is_last = sum_splits(partial, offs_m, out_rows, M, N, split_k, ws_ptr, lock_ptr)
         mask = valid[:, None] & (offs_m < M)[None, :] & is_last
         tl.store(y_ptr + offs_m[None, :] * stride_ym + out_rows[:, None], total.to(y_ptr.dtype.element_ty), mask=mask)
@@ -301,7 +307,7 @@ def pick_mma_gemv_config(
             k_warps *= 2
     if num_warps is None:
         num_warps = max(4, k_warps * (2 if silu_mul else 1))
-    warps = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps, k_warps).block_n) * num_warps
+    warps = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps, k_warps).block_n) * num_warps * triton.cdiv(rows, CHUNK_ROWS)
     if unroll is None:
         unroll = 1 if warps >= UNROLL_ONE_WARPS * num_sms else 2
     unroll, split_k = split_steps(k // k_warps, unroll, warps, num_sms, warps_per_sm, MIN_SPLIT)
@@ -366,14 +372,15 @@ def _gemv_pairs_mma(
     assert not tiled or n_out % 16 == 0, f"tiles of 16 outputs: {n_out} outputs (gate's, with SiLU-and-mul)"
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     num_blocks_n = triton.cdiv(n_out, config.block_n // 2 if silu_mul else config.block_n)
+    chunks = triton.cdiv(m, CHUNK_ROWS)
     workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     assert not (silu_mul and add_norm), "SiLU-and-mul has no add + norm epilogue"
     assert rms is None or m == 1, "the norm's second half takes one row"
     epilogue, outputs = launch_args(add_norm, rms, x, y)
     use_pdl = pdl.enabled(x)
     fp16, multi = x.dtype == torch.float16, m > 1
-    _mma_gemv_kernel[(1, num_blocks_n, config.split_k)](
-        x, qweight, qzeros, scales, workspace, semaphores("int4_mma_gemv", x.device, num_blocks_n), y,
+    _mma_gemv_kernel[(chunks, num_blocks_n, config.split_k)](
+        x, qweight, qzeros, scales, workspace, semaphores("int4_mma_gemv", x.device, chunks * num_blocks_n), y,
         m, n, k, x.stride(0), y.stride(0), qweight.stride(0), config.split_k,
         # a constant: a step's group is then a shift, not a division (307 -> 259 loop instructions)
         GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,

@@ -117,14 +117,14 @@ def test_sm90_operands_sit_in_their_lanes(
     assert result["preexit"] == 1 and "PREEXIT" not in loop, (result["preexit"], loop)
 
 
-def test_supported_is_up_to_8_16_bit_rows_on_a_gpu_with_groups_of_128() -> None:
+def test_supported_is_up_to_32_16_bit_rows_on_a_gpu_with_groups_of_128() -> None:
     cpu = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert not supported(cpu, 128)  # the CPU takes the reference
     if torch.cuda.is_available():
         x = cpu.cuda()
         assert supported(x, 128) and supported(x, 256) and supported(x.half(), 128)
-        assert supported(x.expand(8, 256), 128)  # up to 8 rows: the MMA's columns
-        assert not supported(x, 64) and not supported(x.float(), 128) and not supported(x.expand(9, 256), 128)
+        assert supported(x.expand(8, 256), 128) and supported(x.expand(32, 256), 128)  # 8 rows a program
+        assert not supported(x, 64) and not supported(x.float(), 128) and not supported(x.expand(33, 256), 128)
 
 
 def test_pick_splits_k_over_a_tiles_warps_then_over_programs() -> None:
@@ -232,7 +232,7 @@ def test_cuda_decode_dispatch_takes_it_and_the_switch_turns_it_off(monkeypatch: 
 
 
 @cuda_only
-@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("m", [2, 3, 8, 9, 16, 27, 32])  # past 8: programs of 8 rows, the last ragged
 @pytest.mark.parametrize(
     "config", [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 1, 2, 8, 4)], ids=["default", "split3", "four-k-warps-split2"]
 )
