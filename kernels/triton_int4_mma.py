@@ -1,8 +1,9 @@
-"""INT4 products of a few rows of x (batched decode, 9..128 rows) on the tensor cores, on
+"""INT4 products of a few rows of x (batched decode, 25..128 rows) on the tensor cores, on
 the "pairs" layout (kernels/int4_rows.py): the weight is the tall operand of tl.dot, x^T
-(its rows zero-padded to BLOCK_M) the narrow one. Up to 8 rows go to the warp-level MMA
+(its rows zero-padded to BLOCK_M) the narrow one. Up to 24 rows go to the warp-level MMA
 GEMV of kernels/triton_int4_mma_gemv.py (MMA_GEMV_MAX_ROWS; no shared memory, x's rows in
-the MMA's columns: 0.72x this kernel's time on llama-3.1-8b's layer at 2-8 rows, and 6%
+the MMA's columns, 8 a program: 0.72x this kernel's time on llama-3.1-8b's layer at 2-8
+rows, 0.66-0.79x at 9-24, about even at 32, and 6%
 faster at one row than the x2 CUDA-core GEMV of kernels/triton_int4_rows.py, which was
 faster than this kernel there: ONE_ROW_ON_TL_DOT; docs/benchmarks.md).
 
@@ -59,10 +60,12 @@ ONE_ROW_ON_TL_DOT = False
 # At one row, SiLU-and-mul of a [gate | up] product in the GEMV's last program (one launch).
 SILU_MUL_GEMV = True
 # Rows of x up to which the warp-level MMA GEMV (kernels/triton_int4_mma_gemv.py: bf16 or fp16
-# x, groups of 128 inputs or more, at most 8 rows) takes the product: at one row instead of the
-# x2 arithmetic CUDA-core GEMV, above it instead of this file's tl.dot kernel
-# (docs/benchmarks.md). 0: neither.
-MMA_GEMV_MAX_ROWS = 8
+# x, groups of 128 inputs or more, at most its MAX_ROWS, 8 a program) takes the product: at one
+# row instead of the x2 arithmetic CUDA-core GEMV, above it instead of this file's tl.dot
+# kernel. 24: a llama-3.1-8b layer's four products at 9 / 16 / 24 rows 0.70 / 0.66 / 0.79x the
+# tl.dot kernel's time on the H200, at 32 0.96x with gate_up and down slower
+# (docs/benchmarks.md, session 21). 0: neither.
+MMA_GEMV_MAX_ROWS = 24
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

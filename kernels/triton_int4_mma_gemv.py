@@ -1,4 +1,4 @@
-"""The INT4 GEMV of decode (1 to 8 rows of x) on the tensor cores, through warp-level MMAs
+"""The INT4 GEMV of decode (1 to 32 rows of x, 8 a program) on the tensor cores, through warp-level MMAs
 (mma.sync m16n8k16) written in PTX, on the pairs layout or its tiles ordering
 (kernels/int4_rows.py; `tiled`: the same words, so the same results bit for bit, but a
 warp's 16 rows x 128 inputs are 1 KB in one piece instead of 16 runs of 64 bytes K / 2 bytes
@@ -35,7 +35,10 @@ At one row every column of B is x, so every column of D is x . w: lane (g, t) re
 outputs g and g + 8 from d0 and d2. With M rows (MULTI, up to 8) B's column n is x's row n
 (lane (g, t) loads row g's pairs; rows past M repeat the last) and d0, d1, d2, d3 are
 outputs g, g, g + 8, g + 8 for x's rows 2t, 2t + 1, 2t, 2t + 1, the ones-MMA giving each
-row's sum of x in its column: the same loads and MMAs for up to 8 rows. The PTX is right only if element i of the [T] tensors it reads sits in
+row's sum of x in its column: the same loads and MMAs for up to 8 rows. More rows (up to
+MAX_ROWS) are chunks of 8, one program each on grid axis 0: the programs of a weight tile
+are launched side by side, so the chunks after the first mostly read it from the L2 (9
+rows cost about 1.5x of 8, not 2x; docs/benchmarks.md, session 21). The PTX is right only if element i of the [T] tensors it reads sits in
 lane i % 32 of warp (i // 32) % WARPS, the blocked layout Triton gives them;
 tests/kernels/test_int4_mma_gemv.py checks the compiled kernel's layout (on any machine)
 and its values (on a GPU). K may be split over a tile's warps (K_WARPS), whose sums meet in

@@ -275,16 +275,17 @@ def test_cuda_tiles_layout_equals_pairs_bit_for_bit(m: int, silu_mul: bool, conf
 
 
 @cuda_only
-def test_cuda_decode_dispatch_takes_up_to_8_rows() -> None:
+def test_cuda_decode_dispatch_takes_up_to_24_rows() -> None:
     k, n = 1024, 512
     t = gptq_tensors(k, n, 128, 1)
     args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for m in (4, 8):
+    assert triton_int4_mma.MMA_GEMV_MAX_ROWS == 24
+    for m in (4, 8, 9, 24):
         x = randn(m, k, dtype=torch.bfloat16, seed=m)
         direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, num_sms, rows=m))
         assert torch.equal(kernels.int4_gemm(x, *args), direct)
-    x = randn(9, k, dtype=torch.bfloat16, seed=9)  # 9 rows: the tl.dot kernel
+    x = randn(25, k, dtype=torch.bfloat16, seed=9)  # 25 rows: the tl.dot kernel
     assert relative_error(kernels.int4_gemm(x, *args), reference(x, t, 128, 1)) < 5e-3
 
 
