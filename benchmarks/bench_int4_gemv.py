@@ -67,6 +67,16 @@ def timed(calls: list[Callable[[], object]]) -> float:
     return graph_seconds(calls) * 1e6
 
 
+def bf16_weights(k: int, n: int) -> list[torch.Tensor]:
+    """Two dense [N, K] bf16 weights (together larger than the L2 for llama-3.1-8b's shapes)."""
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+
+def bf16_us(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """us of x @ w.T through cuBLAS, the bf16 product an INT4 kernel replaces, over `weights` in turn."""
+    return round(timed([functools.partial(torch.matmul, x, w.t()) for w in weights]), 2)
+
+
 def gemv_row(
     name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool, silu_mul: bool = False
 ) -> None:
@@ -131,6 +141,7 @@ def mma_row(
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     row: dict[str, object] = {"shape": name}
     t = sets[0]
+    dense = bf16_weights(k, n) if any(m > 1 for m in rows) else []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
@@ -147,9 +158,7 @@ def mma_row(
             calls = [functools.partial(gemv_rows, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg, True) for s in sets]
             row["m1_pairs_gemv_us"] = round(timed(calls), 2)
         if m > 1:  # the bf16 product it replaces (cuBLAS, as decode runs bf16 above one row)
-            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-            row[f"m{m}_bf16_us"] = round(timed([functools.partial(torch.matmul, x, w.t()) for w in dense]), 2)
-            del dense
+            row[f"m{m}_bf16_us"] = bf16_us(x, dense)
         sweep = []
         default = pick_mma_config(m, n, k, num_sms)
         if quick:

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks import vary
 from benchmarks.bench_gemv import copy_bandwidth
-from benchmarks.bench_int4_gemv import GROUP, packed_set, timed
+from benchmarks.bench_int4_gemv import GROUP, bf16_us, bf16_weights, packed_set, timed
 from benchmarks.bench_int4_gemv import SHAPES as BENCH_SHAPES
 from kernels import int4_reference, silu_and_mul
 from kernels.int4_rows import pairs_to_tiles
@@ -85,10 +85,10 @@ def shape_row(
             ("mma_silu", lambda s: gemv_pairs_mma(x, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, True, tiled)),
         ):
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
-    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)] if rows else []
+    dense = bf16_weights(k, n) if rows else []
     for m in rows:  # batched decode: x's rows in the MMA's columns, against the tl.dot kernel and bf16
         xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        row[f"bf16_m{m}_us"] = round(timed([functools.partial(torch.matmul, xm, w.t()) for w in dense]), 2)
+        row[f"bf16_m{m}_us"] = bf16_us(xm, dense)
         refm = int4_reference.int4_gemm(xm.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
         dot = pick_mma_config(m, n, k, num_sms)
         mma = pick_mma_gemv_config(n, k, num_sms, rows=m)

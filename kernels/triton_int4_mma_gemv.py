@@ -74,9 +74,9 @@ from kernels.triton_add_norm import (
 from kernels.triton_int4_rows import split_steps
 from kernels.triton_linear import store_outputs
 
-# Rows of x the MMA's 8 columns take in one program: x's rows are split into chunks of 8,
-# one program each (grid axis 0, the fastest, so a weight tile's programs run together and
-# all but the first find it in the L2).
+# Rows of x a program takes: the MMA's 8 columns (m16n8k16; fixed, not a tuning value; the
+# kernel's literal 8s). x's rows are split into chunks of 8, one program each (grid axis 0,
+# the fastest, so a weight tile's programs run together and all but the first find it in the L2).
 CHUNK_ROWS = 8
 # Rows of x the GEMV takes.
 MAX_ROWS = 32
