@@ -92,9 +92,6 @@ MIN_SPLIT = 1
 # 1.865 in one call; at the start +490 us (session 7, the x2 GEMV), and with this kernel, for
 # qkv, o and down, 1.722 -> 1.746 ms (session 18, commit bda6b60's EARLY_TRIGGER).
 LATE_TRIGGER = True
-# Steps of weights a program reads before it waits for x under PDL (1 or 2): the reads that
-# overlap the kernel before's tail.
-PROLOGUE_STEPS = 1
 # pick_mma_gemv_config: the most warps that split a tile's K, their sums meeting in shared
 # memory (1: none; K split over programs only, their partials meeting in global memory).
 WARP_SPLIT = 8
@@ -161,20 +158,6 @@ def _load_x(step, x_pairs, x_share, STEP: tl.constexpr, MULTI: tl.constexpr):
 
 
 @triton.jit
-def _peeled_step(step, last, lo, hi, off_lo, off_hi, s_lo, s_hi, xa, xb, xc, xd, xs, acc0, acc1, acc2, acc3,
-                 x_pairs, x_share, STEP: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
-                 CONSTRAINTS: tl.constexpr):  # fmt: skip
-    """A step of the loop taken out in front of it (its successor's weights already in flight):
-    its blocks into the accumulators if it is one of the program's, and the next step's x."""
-    n_xa, n_xb, n_xc, n_xd, n_xs = _load_x(tl.minimum(step + 1, last - 1), x_pairs, x_share, STEP, MULTI)
-    if step < last:
-        acc0, acc1, acc2, acc3 = mma_block(
-            lo, hi, off_lo, off_hi, xa, xb, xc, xd, xs, s_lo, s_hi, acc0, acc1, acc2, acc3, ASM, CONSTRAINTS, MULTI
-        )
-    return acc0, acc1, acc2, acc3, n_xa, n_xb, n_xc, n_xd, n_xs
-
-
-@triton.jit
 def _weight_row(pid, j, N, HALF: tl.constexpr, SILU_MUL: tl.constexpr):
     """Weight row of a program's output j (outputs pid * HALF + j; with SILU_MUL gate rows for
     j < HALF, up rows N + .. above). -> (row, valid); rows past N read row 0, unstored."""
@@ -193,7 +176,7 @@ def _mma_gemv_kernel(
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
     CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False, K_WARPS: tl.constexpr = 1,
-    ADD_NORM: tl.constexpr = False, RMS: tl.constexpr = False, PROLOGUE_STEPS: tl.constexpr = 1,
+    ADD_NORM: tl.constexpr = False, RMS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS / K_WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -253,43 +236,13 @@ def _mma_gemv_kernel(
         tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
         STEP, ZERO_OFFSET, FP16, TILED,
     )  # fmt: skip
-    # Under PDL the steps after the first of PROLOGUE_STEPS are read before the wait too, and
-    # their steps peeled off the loop below.
-    if PROLOGUE_STEPS > 1:
-        w1 = _load_weights(tl.minimum(first + 1, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi,
-                           block, N, GROUP_BLOCKS, STEP, ZERO_OFFSET, FP16, TILED)  # fmt: skip
-    if PROLOGUE_STEPS > 2:
-        w2 = _load_weights(tl.minimum(first + 2, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi,
-                           block, N, GROUP_BLOCKS, STEP, ZERO_OFFSET, FP16, TILED)  # fmt: skip
-    if PROLOGUE_STEPS > 3:
-        w3 = _load_weights(tl.minimum(first + 3, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi,
-                           block, N, GROUP_BLOCKS, STEP, ZERO_OFFSET, FP16, TILED)  # fmt: skip
     if PDL:
         gdc_wait()
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     residual = load_residual(residual_ptr, offs_n, offs_n < N, ADD_NORM)
     ss = load_sum_of_squares(ss_in_ptr, RMS)
     xa, xb, xc, xd, xs = _load_x(tl.minimum(first, last - 1), x_pairs, x_share, STEP, MULTI)
-    if PROLOGUE_STEPS > 1:
-        acc0, acc1, acc2, acc3, xa, xb, xc, xd, xs = _peeled_step(
-            first, last, lo, hi, off_lo, off_hi, s_lo, s_hi, xa, xb, xc, xd, xs, acc0, acc1, acc2, acc3,
-            x_pairs, x_share, STEP, MULTI, ASM, CONSTRAINTS,
-        )  # fmt: skip
-        lo, hi, off_lo, off_hi, s_lo, s_hi = w1
-    if PROLOGUE_STEPS > 2:
-        acc0, acc1, acc2, acc3, xa, xb, xc, xd, xs = _peeled_step(
-            first + 1, last, lo, hi, off_lo, off_hi, s_lo, s_hi, xa, xb, xc, xd, xs, acc0, acc1, acc2, acc3,
-            x_pairs, x_share, STEP, MULTI, ASM, CONSTRAINTS,
-        )  # fmt: skip
-        lo, hi, off_lo, off_hi, s_lo, s_hi = w2
-    if PROLOGUE_STEPS > 3:
-        acc0, acc1, acc2, acc3, xa, xb, xc, xd, xs = _peeled_step(
-            first + 2, last, lo, hi, off_lo, off_hi, s_lo, s_hi, xa, xb, xc, xd, xs, acc0, acc1, acc2, acc3,
-            x_pairs, x_share, STEP, MULTI, ASM, CONSTRAINTS,
-        )  # fmt: skip
-        lo, hi, off_lo, off_hi, s_lo, s_hi = w3
-    loop_first = first + PROLOGUE_STEPS - 1
-    for step in tl.range(loop_first, last, num_stages=1):
+    for step in tl.range(first, last, num_stages=1):
         ahead = tl.minimum(step + 1, last - 1)
         n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi = _load_weights(
             ahead, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
@@ -436,8 +389,7 @@ def _gemv_pairs_mma(
         GROUP_BLOCKS=group_size // ROW_BLOCK, ZERO_OFFSET=zero_offset, TILES=config.tiles, UNROLL=config.unroll,
         WARPS=config.num_warps, PDL=use_pdl,
         FP16=fp16, SILU_MUL=silu_mul, MULTI=multi, ASM=ASM[fp16, multi], CONSTRAINTS=CONSTRAINTS[multi],
-        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, K_WARPS=config.k_warps, PROLOGUE_STEPS=PROLOGUE_STEPS,
-        num_warps=config.num_warps, launch_pdl=use_pdl,
+        TILED=tiled, LATE_TRIGGER=LATE_TRIGGER, K_WARPS=config.k_warps, num_warps=config.num_warps, launch_pdl=use_pdl,
         **epilogue,
     )  # fmt: skip
     return y, outputs

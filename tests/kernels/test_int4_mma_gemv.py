@@ -23,11 +23,10 @@ import pytest
 import torch
 
 import kernels
-from kernels import int4_reference, triton_int4_mma, triton_int4_mma_gemv
+from kernels import int4_reference, triton_int4_mma
 from kernels.int4_mma_ptx import ASM
 from kernels.int4_rows import gptq_to_pairs, pairs_to_tiles, unpack_pairs_layout
 from kernels.triton_int4_mma_gemv import (
-    PROLOGUE_STEPS,
     MmaGemvConfig,
     gemv_pairs_mma,
     pick_mma_gemv_config,
@@ -56,7 +55,7 @@ signature = {
 constexprs = dict(
     GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
     MULTI=bool(multi), ASM=int4_mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[bool(multi)],
-    TILED=bool(tiled), LATE_TRIGGER=True, K_WARPS=k_warps, PROLOGUE_STEPS=m.PROLOGUE_STEPS,
+    TILED=bool(tiled), LATE_TRIGGER=True, K_WARPS=k_warps,
 )
 names = list(signature) + list(constexprs)
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in ("split_k", "M", "rms_eps")}
@@ -101,7 +100,7 @@ def test_sm90_operands_sit_in_their_lanes(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["asm_ops"] == PROLOGUE_STEPS  # the loop's block, and the steps peeled off it
+    assert result["asm_ops"] == 1
     # Every operand of the PTX: element i in lane i % 32 of warp (i // 32) % warps.
     assert result["layouts"] == [
         f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], order = [0]}}>"
@@ -273,27 +272,6 @@ def test_cuda_tiles_layout_equals_pairs_bit_for_bit(m: int, silu_mul: bool, conf
                                                     silu_mul))  # fmt: skip
     with pytest.raises(AssertionError, match="tiles layout"):
         gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, config, tiled=True)
-
-
-@cuda_only
-@pytest.mark.parametrize("prologue", [2, 3, 4])
-@pytest.mark.parametrize(("m", "silu_mul"), [(1, False), (1, True), (3, False)])
-@pytest.mark.parametrize(
-    "config", [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(1, 2, 5, 4)], ids=["default", "split3", "split5"]
-)
-def test_cuda_prologue_steps_change_no_bit(
-    monkeypatch: pytest.MonkeyPatch, prologue: int, m: int, silu_mul: bool, config: MmaGemvConfig | None
-) -> None:  # fmt: skip
-    # The steps read before the PDL wait are peeled off the loop, and add into the sums in
-    # the loop's order; split5 leaves programs fewer steps than the prologue, or none.
-    k, n = 1024, 2 * 336
-    t = gptq_tensors(k, n, 128, 1)
-    x = randn(m, k, dtype=torch.bfloat16, seed=13)
-    config = config or pick_mma_gemv_config(n, k, 132, silu_mul=silu_mul, rows=m)
-    args = (x, pairs_to_tiles(gptq_to_pairs(t["qweight"])), t["qzeros"], t["scales"], 128, 1, config, silu_mul, True)
-    one = gemv_pairs_mma(*args)
-    monkeypatch.setattr(triton_int4_mma_gemv, "PROLOGUE_STEPS", prologue)
-    assert torch.equal(gemv_pairs_mma(*args), one)
 
 
 @cuda_only
