@@ -1,27 +1,36 @@
-"""What a persistent kernel over a decode layer could give, measured on reads alone (H200).
+"""What a persistent kernel over a decode layer, or a deeper PDL prologue, could give,
+measured on reads alone (H200).
 
 Batch-1 INT4 decode is a chain of GEMVs, each one kernel: a kernel ramps up, drains, and
-hands over to the next under PDL (kernels/pdl.py). A persistent kernel would run a layer's
-four projections in one launch, its programs meeting at a grid barrier between them. This
-benchmark bounds what that design can give before anyone writes it: every projection is
-replaced by a plain read of its packed INT4 weight (llama-3.1-8b: qkv, o, gate_up, down;
-109 MB a layer), and one run times, over 32 layers of distinct weights (no L2 reuse):
+hands over to the next under PDL (kernels/pdl.py). Two designs could keep the memory busy
+across those hand-overs: a persistent kernel running a layer's four projections in one
+launch, its programs meeting at a grid barrier between them; or each kernel reading more of
+its weights before its PDL wait, while the kernel before drains. This benchmark bounds both
+before anyone builds them: every projection is replaced by a plain read of its packed INT4
+weight (llama-3.1-8b: qkv, o, gate_up, down; 109 MB a layer), and one run times, over 32
+layers of distinct weights (3.5 GB, no L2 reuse), per config (programs an SM x warps x
+16-byte loads a thread a step) and `--ahead` (steps a program reads before it waits):
 
 - `launches`: four read kernels a layer under PDL, as the GEMVs are launched: a program
-  reads its first step before `gdc_wait`, then x (8 KB, as a GEMV must), then the rest,
-  and lets the next kernel launch once its loop is done (the INT4 GEMV's late trigger);
-- `barriers`: one kernel a layer (or `--layers-per-launch` layers), its programs meeting at
-  a grid barrier (an atomic counter) between the projections; a program reads its first
-  step of the next projection before it waits at the barrier, then x, then the rest;
-- `stream`: the same kernel without the barriers, a bound for the barriers;
-- `copy`: one read of all 32 layers' bytes (the copy rate's bound).
+  reads its first `ahead` steps before `gdc_wait`, then x (8 KB, as a GEMV must), then the
+  rest, and lets the next kernel launch once its loop is done (the INT4 GEMV's late
+  trigger). `--hold R`: each thread also keeps R registers from before the wait to the end,
+  as a GEMV's fragments and accumulators do, which decides whether the kernel after can be
+  resident (and reading) beside it;
+- `barriers`: one kernel for all layers (or `--layers-per-launch`), its programs meeting at
+  a grid barrier between the projections (an arrival counter; the last to arrive raises a
+  flag on another line that the others poll); a program reads its first `ahead` steps of
+  the next projection before it waits at the barrier. Run only where every program fits on
+  the SMs at once;
+- `stream`: the same kernel without the barriers: the reads with no dependence at all.
 
-    PYTHONPATH=. python benchmarks/bench_layer_stream.py [--configs 1x16x2,8x4x2]
+    PYTHONPATH=. python benchmarks/bench_layer_stream.py --configs 8x4x2,1x16x4,2x8x2 --ahead 1,4 --hold 0,64
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -64,15 +73,23 @@ def _xor(a, b):
 
 
 @triton.jit
-def _launch_kernel(w_ptr, x_ptr, y_ptr, num_words, CHUNK: tl.constexpr, AHEAD: tl.constexpr):
-    """One projection a launch, under PDL as the INT4 GEMV: first step, wait, x, the rest, trigger."""
+def _launch_kernel(w_ptr, x_ptr, y_ptr, num_words, CHUNK: tl.constexpr, AHEAD: tl.constexpr,
+                   HOLD: tl.constexpr = 0):  # fmt: skip
+    """One projection a launch, under PDL as the INT4 GEMV: first step, wait, x, the rest, trigger.
+    HOLD: words a program keeps in registers from before the wait to the end (a GEMV's
+    registers, which decide how many of its programs an SM holds beside the kernel before)."""
     pid = tl.program_id(0)
     first = _read_first(w_ptr, num_words, CHUNK, AHEAD)
+    if HOLD > 0:
+        held = tl.load(x_ptr + tl.arange(0, HOLD) % 2048, volatile=True)
     gdc_wait()
     acc = tl.load(x_ptr + tl.arange(0, CHUNK) % 2048)
     acc = _read_rest(w_ptr, num_words, acc, first, CHUNK, AHEAD)
     gdc_launch_dependents()
-    tl.store(y_ptr + pid, tl.sum(acc, axis=0))
+    total = tl.sum(acc, axis=0)
+    if HOLD > 0:
+        total ^= tl.reduce(held, 0, _xor)
+    tl.store(y_ptr + pid, total)
 
 
 @triton.jit
@@ -103,7 +120,7 @@ def _phase(w_ptr, x_ptr, counter_ptr, acc, phase, programs, WORDS: tl.constexpr,
 @triton.jit
 def _layers_kernel(
     w_ptr, x_ptr, y_ptr, counter_ptr, layer_words,
-    QKV: tl.constexpr, O: tl.constexpr, GATE_UP: tl.constexpr, DOWN: tl.constexpr,
+    QKV: tl.constexpr, O_WORDS: tl.constexpr, GATE_UP: tl.constexpr, DOWN: tl.constexpr,
     LAYERS: tl.constexpr, CHUNK: tl.constexpr, BARRIER: tl.constexpr, AHEAD: tl.constexpr = 1,
 ):  # fmt: skip
     """LAYERS layers' four projections in one launch; with BARRIER the programs meet between them."""
@@ -114,9 +131,9 @@ def _layers_kernel(
         base = w_ptr + layer.to(tl.int64) * layer_words
         phase = layer * 4
         acc = _phase(base, x_ptr, counter_ptr, acc, phase, programs, QKV, CHUNK, BARRIER, AHEAD)
-        acc = _phase(base + QKV, x_ptr, counter_ptr, acc, phase + 1, programs, O, CHUNK, BARRIER, AHEAD)
-        acc = _phase(base + QKV + O, x_ptr, counter_ptr, acc, phase + 2, programs, GATE_UP, CHUNK, BARRIER, AHEAD)
-        acc = _phase(base + QKV + O + GATE_UP, x_ptr, counter_ptr, acc, phase + 3, programs, DOWN, CHUNK, BARRIER, AHEAD)
+        acc = _phase(base + QKV, x_ptr, counter_ptr, acc, phase + 1, programs, O_WORDS, CHUNK, BARRIER, AHEAD)
+        acc = _phase(base + QKV + O_WORDS, x_ptr, counter_ptr, acc, phase + 2, programs, GATE_UP, CHUNK, BARRIER, AHEAD)
+        acc = _phase(base + QKV + O_WORDS + GATE_UP, x_ptr, counter_ptr, acc, phase + 3, programs, DOWN, CHUNK, BARRIER, AHEAD)
     tl.store(y_ptr + pid, tl.sum(acc, axis=0))
 
 
@@ -147,10 +164,12 @@ def _resident(kernel, num_warps: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--configs", default="1x16x2,2x8x2,4x4x4,8x4x2",
+    parser.add_argument("--configs", default="8x4x2,1x16x4",
                         help="programs an SM x warps a program x 16-byte loads a thread a step, comma-separated")
-    parser.add_argument("--layers-per-launch", default="1,32", help="for `barriers`, comma-separated")
-    parser.add_argument("--ahead", default="1", help="steps a program reads before its wait or barrier, comma-separated")
+    parser.add_argument("--ahead", default="1,4", help="steps a program reads before its wait or barrier, comma-separated")
+    parser.add_argument("--hold", default="0", help="`launches`: registers a thread holds throughout, comma-separated")
+    parser.add_argument("--variants", default="launches,stream,barriers")
+    parser.add_argument("--layers-per-launch", default="32", help="for `barriers`, comma-separated")
     args = parser.parse_args()
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -159,60 +178,63 @@ def main() -> None:
     layers = args.layers
     w = torch.randint(-(2**31), 2**31 - 1, (layers, layer_words), dtype=torch.int32, device="cuda")
     x = torch.randint(0, 100, (X_WORDS,), dtype=torch.int32, device="cuda")
-    offsets = {"qkv": 0, "o": words["qkv"], "gate_up": words["qkv"] + words["o"],
-               "down": words["qkv"] + words["o"] + words["gate_up"]}  # fmt: skip
+    offsets = dict(zip(SHAPES, itertools.accumulate([0, *list(words.values())[:-1]]), strict=True))
+    shape_args = {"QKV": words["qkv"], "O_WORDS": words["o"], "GATE_UP": words["gate_up"], "DOWN": words["down"]}
     layer_mb = layer_words * 4 / 1e6
+    variants = args.variants.split(",")
     print(f"{layers} layers of {layer_mb:.1f} MB ({', '.join(f'{k} {v * 4 / 1e6:.1f}' for k, v in words.items())})")
-    print("| variant | programs/SM x warps x loads a step x steps ahead | ms (all layers) | us a layer | TB/s |")
-    print("|---|---|---|---|---|")
+    print("| variant | programs/SM x warps x loads a step x steps ahead | registers | ms (all layers) | us a layer | TB/s |")
+    print("|---|---|---|---|---|---|")
 
-    specs = [f"{c}x{a}" for c in args.configs.split(",") for a in args.ahead.split(",")]
-    for spec in specs:
-        pps, num_warps, unroll, ahead = (int(v) for v in spec.split("x"))
+    for spec, ahead in itertools.product(args.configs.split(","), (int(a) for a in args.ahead.split(","))):
+        pps, num_warps, unroll = (int(v) for v in spec.split("x"))
         chunk = num_warps * 32 * 4 * unroll
         grid = (sms * pps,)
         y = torch.empty(grid[0], dtype=torch.int32, device="cuda")
         counters = torch.zeros(layers, 64, dtype=torch.int32, device="cuda")
+        label = f"{spec}x{ahead}"
 
-        def row(name: str, ms: float, spec: str = spec) -> None:
+        def row(name: str, regs: int, ms: float, label: str = label) -> None:
             us = ms * 1000 / layers
-            print(f"| {name} | {spec} | {ms:.3f} | {us:.2f} | {layer_mb / us:.2f} |", flush=True)
+            print(f"| {name} | {label} | {regs} | {ms:.3f} | {us:.2f} | {layer_mb / us:.2f} |", flush=True)
 
-        def launches() -> None:
+        def launches(hold: int, grid=grid, y=y, chunk=chunk, ahead=ahead, num_warps=num_warps) -> None:  # noqa: ANN001
             for layer in range(layers):
                 for name in SHAPES:
                     sub = w[layer, offsets[name] : offsets[name] + words[name]]
-                    _launch_kernel[grid](sub, x, y, words[name], CHUNK=chunk, AHEAD=ahead,
+                    _launch_kernel[grid](sub, x, y, words[name], CHUNK=chunk, AHEAD=ahead, HOLD=hold,
                                          num_warps=num_warps, launch_pdl=True)  # fmt: skip
 
-        row("launches (PDL)", _graph_ms(launches))
-
-        def persistent(per_launch: int, barrier: bool) -> None:
+        def persistent(per_launch: int, barrier: bool, grid=grid, y=y, chunk=chunk, ahead=ahead,  # noqa: ANN001
+                       num_warps=num_warps, counters=counters) -> None:  # fmt: skip
             counters.zero_()
             for first in range(0, layers, per_launch):
-                _layers_kernel[grid](
-                    w[first], x, y, counters[first // per_launch], layer_words,
-                    QKV=words["qkv"], O=words["o"], GATE_UP=words["gate_up"], DOWN=words["down"],
-                    LAYERS=per_launch, CHUNK=chunk, BARRIER=barrier, AHEAD=ahead, num_warps=num_warps,
-                )  # fmt: skip
+                _layers_kernel[grid](w[first], x, y, counters[first // per_launch], layer_words, **shape_args,
+                                     LAYERS=per_launch, CHUNK=chunk, BARRIER=barrier, AHEAD=ahead,
+                                     num_warps=num_warps)  # fmt: skip
 
-        row(f"stream (no barriers, {layers} layers a launch)", _graph_ms(lambda: persistent(layers, False)))
-        for per_launch in (int(v) for v in args.layers_per_launch.split(",")):
-            compiled = _layers_kernel.warmup(
-                w[0], x, y, counters[0], layer_words, QKV=words["qkv"], O=words["o"], GATE_UP=words["gate_up"],
-                DOWN=words["down"], LAYERS=per_launch, CHUNK=chunk, BARRIER=True, AHEAD=ahead, num_warps=num_warps,
-                grid=grid,
-            )  # fmt: skip
-            if _resident(compiled, num_warps) < pps:  # a grid barrier needs every program resident
-                print(f"| barriers, {per_launch} layer(s) a launch | {spec} | not run: {compiled.n_regs} registers "
-                      f"allow {_resident(compiled, num_warps)} programs an SM | | |")  # fmt: skip
+        def compiled(kernel, *call_args, grid=grid, num_warps=num_warps, **kwargs):  # noqa: ANN001, ANN202
+            handle = kernel.warmup(*call_args, grid=grid, num_warps=num_warps, **kwargs)
+            return handle, _resident(handle, num_warps)
+
+        if "launches" in variants:
+            for hold in (int(h) * 32 * num_warps for h in args.hold.split(",")):
+                handle, _ = compiled(_launch_kernel, w[0], x, y, words["qkv"], CHUNK=chunk, AHEAD=ahead, HOLD=hold)
+                row(f"launches (PDL), {hold // (32 * num_warps)} registers held", handle.n_regs,
+                    _graph_ms(lambda hold=hold: launches(hold)))  # fmt: skip
+        if "stream" in variants:
+            handle, _ = compiled(_layers_kernel, w[0], x, y, counters[0], layer_words, **shape_args, LAYERS=layers,
+                                 CHUNK=chunk, BARRIER=False, AHEAD=ahead)  # fmt: skip
+            row(f"stream (no barriers, {layers} layers a launch)", handle.n_regs, _graph_ms(lambda: persistent(layers, False)))
+        for per_launch in (int(v) for v in args.layers_per_launch.split(",")) if "barriers" in variants else ():
+            handle, resident = compiled(_layers_kernel, w[0], x, y, counters[0], layer_words, **shape_args,
+                                        LAYERS=per_launch, CHUNK=chunk, BARRIER=True, AHEAD=ahead)  # fmt: skip
+            if resident < pps:  # a grid barrier needs every program resident
+                print(f"| barriers, {per_launch} layer(s) a launch | {label} | {handle.n_regs} | not run: "
+                      f"{resident} programs an SM fit | | |")  # fmt: skip
                 continue
-            row(f"barriers, {per_launch} layer(s) a launch", _graph_ms(lambda n=per_launch: persistent(n, True)))
-
-    flat = w.view(-1)
-    copy = torch.empty_like(flat)
-    ms = _graph_ms(lambda: copy.copy_(flat))
-    print(f"copy (read + write) of all {layers} layers: {ms:.3f} ms, read rate {flat.numel() * 4 / ms / 1e9:.2f} TB/s")
+            row(f"barriers, {per_launch} layer(s) a launch", handle.n_regs,
+                _graph_ms(lambda n=per_launch: persistent(n, True)))  # fmt: skip
 
 
 if __name__ == "__main__":
