@@ -346,6 +346,13 @@ def rotary_decode_attention(
     return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new)
 
 
+def _new_partials(q: torch.Tensor, num_splits: int, head_dim_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised split partials (max, sum, acc) for q [B, Hq, D]: fp32 [B, Hq, S], [B, Hq,
+    S] and [B, Hq, S, head_dim_pad]. Every split writes its own, an empty one (-inf, 0, 0)."""
+    part_max = q.new_empty((*q.shape[:2], num_splits), dtype=torch.float32)
+    return part_max, torch.empty_like(part_max), q.new_empty((*part_max.shape, head_dim_pad), dtype=torch.float32)
+
+
 def _decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -379,9 +386,7 @@ def _decode(
     if num_splits == 1:
         part_max = part_sum = part_acc = out  # unused by the kernel
     else:
-        part_max = q.new_empty((batch_size, num_heads, num_splits), dtype=torch.float32)
-        part_sum = torch.empty_like(part_max)
-        part_acc = q.new_empty((*part_max.shape, head_dim_pad), dtype=torch.float32)
+        part_max, part_sum, part_acc = _new_partials(q, num_splits, head_dim_pad)
     tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
     use_pdl = pdl.enabled(q)
     rotary = new if new is not None else NewTokens(q, q, q, q, seq_lens)  # any tensors: not read

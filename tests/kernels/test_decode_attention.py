@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from kernels import reference, triton_decode_attention
 from kernels.fp8_kv import FP8_KV_DTYPE, quantize
 from kernels.triton_decode_attention import choose_num_splits, decode_attention
 
@@ -226,3 +226,17 @@ def test_cuda_graph_reads_fp8_scales_from_device_memory() -> None:
     graph.replay()
     expected = reference.decode_attention(q, fp8_cache, block_tables, seq_lens, 128**-0.5, k_scale, v_scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
+
+
+def test_every_partial_read_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split partials start as NaN: every split, an empty one too, must write the partial
+    the combine reads. (Skipping the empty splits instead, the combine reading only those
+    holding tokens, was measured neutral to slower on the H200: docs/benchmarks.md, session 23.)"""
+
+    def poisoned(q: torch.Tensor, num_splits: int, head_dim_pad: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t.fill_(float("nan")) for t in new_partials(q, num_splits, head_dim_pad))
+
+    new_partials = triton_decode_attention._new_partials
+    monkeypatch.setattr(triton_decode_attention, "_new_partials", poisoned)
+    # 8 splits of whole 64-token tiles: 70 tokens fill two, 37 and 1 one, 0 none
+    check([37, 0, 1, 70], 8, 2, 32, 16, torch.float32, num_splits=8)
