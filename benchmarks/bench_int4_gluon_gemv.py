@@ -33,7 +33,6 @@ against the production kernel's.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -44,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from benchmarks.bench_layer_stream import graph_ms
 from kernels import int4_reference
 from kernels.int4_mma_ptx import ASM, CONSTRAINTS
 from kernels.int4_rows import gptq_to_pairs, pairs_to_tiles
@@ -301,21 +301,27 @@ def _cp_gemv_kernel(
     _store(acc0, acc1, y_ptr, N, TILES, K_WARPS, UNROLL)
 
 
+def _launch(kernel, weight: object, x: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, n: int, k: int,  # noqa: ANN001
+            config: MmaGemvConfig, y: torch.Tensor, pdl: bool, **variant: int) -> torch.Tensor:  # fmt: skip
+    """One row of bf16 x @ `weight` (a tiles-layout tensor or its TMA descriptor) into y [1, N]."""
+    tiles = config.tiles * config.num_warps // config.k_warps
+    assert config.split_k == 1 and tiles * config.k_warps == config.num_warps, config
+    kernel[(triton.cdiv(n, 16 * tiles),)](
+        weight, x, qzeros, scales, y, n, k,
+        TILES=tiles, K_WARPS=config.k_warps, UNROLL=config.unroll, GROUP_BLOCKS=GROUP // 128,
+        ZERO_OFFSET=1, W_LAYOUT=weight_layout(tiles, config.k_warps, config.unroll), ASM=ASM[False, False],
+        CONSTRAINTS=CONSTRAINTS[False], PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+        maxnreg=MAX_REGISTERS if config.num_warps == 8 and config.unroll == 2 else None, **variant,
+    )  # fmt: skip
+    return y
+
+
 def gemv_cp(x: torch.Tensor, tiles_weight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, n: int, k: int,
             config: MmaGemvConfig, smem_steps: int, y: torch.Tensor, pdl: bool = True) -> torch.Tensor:  # fmt: skip
     """One row of bf16 x @ a tiles-layout weight into y [1, N], `smem_steps` steps (at most
     all but the first) read into shared memory before the PDL wait."""
-    tiles = config.tiles * config.num_warps // config.k_warps
-    assert config.split_k == 1 and tiles * config.k_warps == config.num_warps, config
     smem_steps = min(smem_steps, k // (128 * config.k_warps * config.unroll) - 1)
-    _cp_gemv_kernel[(triton.cdiv(n, 16 * tiles),)](
-        tiles_weight, x, qzeros, scales, y, n, k,
-        TILES=tiles, K_WARPS=config.k_warps, UNROLL=config.unroll, SMEM_STEPS=smem_steps, GROUP_BLOCKS=GROUP // 128,
-        ZERO_OFFSET=1, W_LAYOUT=weight_layout(tiles, config.k_warps, config.unroll), ASM=ASM[False, False],
-        CONSTRAINTS=CONSTRAINTS[False], PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
-        maxnreg=MAX_REGISTERS if config.num_warps == 8 and config.unroll == 2 else None,
-    )  # fmt: skip
-    return y
+    return _launch(_cp_gemv_kernel, tiles_weight, x, qzeros, scales, n, k, config, y, pdl, SMEM_STEPS=smem_steps)
 
 
 def descriptor(tiles_weight: torch.Tensor, config: MmaGemvConfig) -> TensorDescriptor:
@@ -336,34 +342,8 @@ def stages_for(k: int, config: MmaGemvConfig, budget_kb: int) -> int:
 
 def gemv_tma(x: torch.Tensor, desc: TensorDescriptor, qzeros: torch.Tensor, scales: torch.Tensor, n: int, k: int,
              config: MmaGemvConfig, stages: int, y: torch.Tensor, pdl: bool = True) -> torch.Tensor:  # fmt: skip
-    """One row of bf16 x @ the weight of `desc` into y [1, N]."""
-    tiles = config.tiles * config.num_warps // config.k_warps
-    assert config.split_k == 1 and tiles * config.k_warps == config.num_warps, config
-    _tma_gemv_kernel[(triton.cdiv(n, 16 * tiles),)](
-        desc, x, qzeros, scales, y, n, k,
-        TILES=tiles, K_WARPS=config.k_warps, UNROLL=config.unroll, STAGES=stages, GROUP_BLOCKS=GROUP // 128,
-        ZERO_OFFSET=1, W_LAYOUT=weight_layout(tiles, config.k_warps, config.unroll), ASM=ASM[False, False],
-        CONSTRAINTS=CONSTRAINTS[False], PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
-        maxnreg=MAX_REGISTERS if config.num_warps == 8 and config.unroll == 2 else None,
-    )  # fmt: skip
-    return y
-
-
-def _graph_ms(fn: Callable[[], object], replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """One row of bf16 x @ the weight of `desc` into y [1, N], through a ring of `stages`."""
+    return _launch(_tma_gemv_kernel, desc, x, qzeros, scales, n, k, config, y, pdl, STAGES=stages)
 
 
 def main() -> None:
@@ -420,7 +400,7 @@ def main() -> None:
         print(f"{name}: relative error " + ", ".join(errs), flush=True)
 
     # each shape alone: its 32 layers' GEMVs in a chain on one x (each still waits for the one before)
-    print("| us a GEMV (32 in a chain, one x) | " + " | ".join(specs) + " |")
+    print(f"| us a GEMV ({args.layers} in a chain, one x) | " + " | ".join(specs) + " |")
     print("|---|" + "---|" * len(specs))
     for name, (k, _) in SHAPES.items():
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
@@ -431,7 +411,7 @@ def main() -> None:
                 for layer in layers:
                     fn(x, layer[name], name)
 
-            cells.append(f"{_graph_ms(alone) * 1000 / len(layers):.2f}")
+            cells.append(f"{graph_ms(alone) * 1000 / len(layers):.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
     # the layers: each GEMV reads what the one before wrote (random weights let the
@@ -451,7 +431,7 @@ def main() -> None:
 
         out = chain(count=1).float()
         first = out if first is None else first
-        ms = _graph_ms(chain)
+        ms = graph_ms(chain)
         print(f"| {spec} | {ms * 1000 / args.layers:.2f} | {float((out - first).norm() / first.norm()):.2e} |", flush=True)
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ def _layers_kernel(
     tl.store(y_ptr + pid, tl.sum(acc, axis=0))
 
 
-def _graph_ms(fn, replays: int = 20) -> float:
+def graph_ms(fn, replays: int = 20) -> float:
+    """Median ms of `replays` replays of one CUDA graph of fn (one call warms it up first)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -221,11 +222,11 @@ def main() -> None:
             for hold in (int(h) * 32 * num_warps for h in args.hold.split(",")):
                 handle, _ = compiled(_launch_kernel, w[0], x, y, words["qkv"], CHUNK=chunk, AHEAD=ahead, HOLD=hold)
                 row(f"launches (PDL), {hold // (32 * num_warps)} registers held", handle.n_regs,
-                    _graph_ms(lambda hold=hold: launches(hold)))  # fmt: skip
+                    graph_ms(lambda hold=hold: launches(hold)))  # fmt: skip
         if "stream" in variants:
             handle, _ = compiled(_layers_kernel, w[0], x, y, counters[0], layer_words, **shape_args, LAYERS=layers,
                                  CHUNK=chunk, BARRIER=False, AHEAD=ahead)  # fmt: skip
-            row(f"stream (no barriers, {layers} layers a launch)", handle.n_regs, _graph_ms(lambda: persistent(layers, False)))
+            row(f"stream (no barriers, {layers} layers a launch)", handle.n_regs, graph_ms(lambda: persistent(layers, False)))
         for per_launch in (int(v) for v in args.layers_per_launch.split(",")) if "barriers" in variants else ():
             handle, resident = compiled(_layers_kernel, w[0], x, y, counters[0], layer_words, **shape_args,
                                         LAYERS=per_launch, CHUNK=chunk, BARRIER=True, AHEAD=ahead)  # fmt: skip
@@ -234,7 +235,7 @@ def main() -> None:
                       f"{resident} programs an SM fit | | |")  # fmt: skip
                 continue
             row(f"barriers, {per_launch} layer(s) a launch", handle.n_regs,
-                _graph_ms(lambda n=per_launch: persistent(n, True)))  # fmt: skip
+                graph_ms(lambda n=per_launch: persistent(n, True)))  # fmt: skip
 
 
 if __name__ == "__main__":
