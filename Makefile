@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 is the CPU build on these machines' disk; a looser pin pulls a CUDA build.
@@ -19,10 +19,15 @@ $(STAMP): pyproject.toml
 
 # Starts the local cluster on Ray, answers one chat request, then serves until Ctrl-C.
 run: $(STAMP)
-	$(BIN)/python -m cluster.cli up -f configs/local.yaml --chat
+	$(BIN)/python -m vllm_cluster.cluster.cli up -f configs/local.yaml --chat
+
+# The folders that install as vllm_cluster.<folder> (setup.py): every top-level package but tests.
+PACKAGES := $(filter-out tests,$(patsubst %/__init__.py,%,$(wildcard */__init__.py)))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	rm -rf build/typecheck && mkdir -p build/typecheck/vllm_cluster
+	for p in $(PACKAGES); do ln -s ../../../$$p build/typecheck/vllm_cluster/$$p; done
 	$(BIN)/mypy
 
 test: $(STAMP) lint

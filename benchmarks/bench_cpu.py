@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine import LLM, SamplingParams
+from vllm_cluster.engine import LLM, SamplingParams
 
 
 def random_prompts(rng: random.Random, num: int, length: int, vocab: int) -> list[list[int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
+from vllm_cluster.kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
 
 
 def bench_decode_attention() -> None:

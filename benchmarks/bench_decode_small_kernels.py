@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from kernels import triton_ops
-from kernels.fp8_kv import FP8_KV_DTYPE
-from kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
-from kernels.triton_rotary_kv import rotary_write_kv_cache
+from vllm_cluster.kernels import triton_ops
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
+from vllm_cluster.kernels.triton_rotary_kv import rotary_write_kv_cache
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_SEQ_LEN = 32, 32, 8, 128, 16, 4096
 

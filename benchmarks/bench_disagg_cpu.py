@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster.client import Client, Completion
-from cluster.local import LocalCluster
+from vllm_cluster.cluster.client import Client, Completion
+from vllm_cluster.cluster.local import LocalCluster
 
 ENGINE = {
     "model": {"model": "smollm2-135m-instruct", "dtype": "float32"},

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster.client import Client, Completion
-from cluster.local import LocalCluster
+from vllm_cluster.cluster.client import Client, Completion
+from vllm_cluster.cluster.local import LocalCluster
 
 
 def engine_section(args: argparse.Namespace) -> dict:

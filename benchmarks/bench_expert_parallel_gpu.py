@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams
+from vllm_cluster.engine import LLM, SamplingParams
 
 
 def check_tiny_fp32() -> None:

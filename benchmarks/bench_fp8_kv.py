@@ -21,9 +21,9 @@ import json
 import torch
 
 from benchmarks.bench_gpu import RESULTS, ours_generate, prompts, record
-from engine import LLM
-from kernels.fp8_kv import FP8_KV_DTYPE, quantize
-from kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
+from vllm_cluster.engine import LLM
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE, quantize
+from vllm_cluster.kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
 
 PRESET = "llama-3.1-8b"
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-import kernels
-from kernels import quant_ops
-from kernels.triton_gemv import gemv_w8
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.kernels import quant_ops
+from vllm_cluster.kernels.triton_gemv import gemv_w8
 
 SHAPES = {  # name: (N, K)
     "8b qkv": (6144, 4096),

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader.presets import PRESETS
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.loader.presets import PRESETS
 
 RESULTS: list[dict[str, Any]] = []
 

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from kernels import quant_ops
-from kernels.triton_gemv import gemv_w8
-from kernels.triton_int4_gemm import SPLIT_K_GEMV_MAX_ROWS, int4_gemm, pick_config
-from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels import quant_ops
+from vllm_cluster.kernels.triton_gemv import gemv_w8
+from vllm_cluster.kernels.triton_int4_gemm import SPLIT_K_GEMV_MAX_ROWS, int4_gemm, pick_config
+from vllm_cluster.kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
 
 # (name, K in, N out) of Llama-3.1-8B's layers, and the 4096 x 14336 of the brief.
 SHAPES = [

@@ -26,15 +26,15 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
 from benchmarks.bench_gemv import copy_bandwidth, graph_seconds
-from kernels import int4_reference
-from kernels.int4_rows import gptq_to_pairs, gptq_to_rows
-from kernels.triton_int4_gemm import int4_gemm
-from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
-from kernels.triton_int4_mma import int4_mma, pick_mma_config
-from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
-from kernels.triton_int4_rows_dot import int4_gemm_rows
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.kernels import int4_reference
+from vllm_cluster.kernels.int4_rows import gptq_to_pairs, gptq_to_rows
+from vllm_cluster.kernels.triton_int4_gemm import int4_gemm
+from vllm_cluster.kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.triton_int4_mma import int4_mma, pick_mma_config
+from vllm_cluster.kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels.triton_int4_rows_dot import int4_gemm_rows
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128

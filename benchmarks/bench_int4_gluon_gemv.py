@@ -31,9 +31,9 @@ import torch
 
 from benchmarks.bench_layer_stream import graph_ms
 from benchmarks.gluon_int4_gemv import GROUP, descriptor, gemv_cp, gemv_tma, stages_for
-from kernels import int4_reference
-from kernels.int4_rows import gptq_to_pairs, pairs_to_tiles
-from kernels.triton_int4_mma_gemv import MmaGemvConfig, gemv_pairs_mma, pick_mma_gemv_config
+from vllm_cluster.kernels import int4_reference
+from vllm_cluster.kernels.int4_rows import gptq_to_pairs, pairs_to_tiles
+from vllm_cluster.kernels.triton_int4_mma_gemv import MmaGemvConfig, gemv_pairs_mma, pick_mma_gemv_config
 
 # llama-3.1-8b's projections, (K, N); gate_up plain (no SiLU), as both kernels run it here.
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}

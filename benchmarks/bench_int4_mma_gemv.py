@@ -30,11 +30,12 @@ from benchmarks import vary
 from benchmarks.bench_gemv import copy_bandwidth
 from benchmarks.bench_int4_gemv import GROUP, bf16_us, bf16_weights, packed_set, timed
 from benchmarks.bench_int4_gemv import SHAPES as BENCH_SHAPES
-from kernels import int4_reference, silu_and_mul
-from kernels.int4_rows import pairs_to_tiles
-from kernels.triton_int4_mma import int4_mma, pick_mma_config
-from kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
-from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels import int4_reference
+from vllm_cluster.kernels.dispatch import silu_and_mul
+from vllm_cluster.kernels.int4_rows import pairs_to_tiles
+from vllm_cluster.kernels.triton_int4_mma import int4_mma, pick_mma_config
+from vllm_cluster.kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
+from vllm_cluster.kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
 # (16-row tiles per warp, blocks of 128 inputs per warp and step, warps, warps a tile's K is
 # split over, warps per SM K is split over programs until)

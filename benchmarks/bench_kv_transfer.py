@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer import (
+from vllm_cluster.kv_transfer import (
     KVLayout,
     KVReceiver,
     KVSender,
@@ -32,7 +32,7 @@ from kv_transfer import (
     make_receiver,
     make_sender,
 )
-from kv_transfer.base import split_segments
+from vllm_cluster.kv_transfer.base import split_segments
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 BACKEND_LABELS = {"local": "local", "ucx": "ucx (tcp)", "nccl": "gloo"}

@@ -34,8 +34,8 @@ def _stub_main() -> None:
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
 
-    from proto import cluster_pb2 as pb
-    from proto import cluster_pb2_grpc as pb_grpc
+    from vllm_cluster.proto import cluster_pb2 as pb
+    from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 
     class Stub(pb_grpc.GenerationServicer):
         def Generate(self, request: Any, context: Any) -> Iterator[Any]:
@@ -69,8 +69,8 @@ def _stub_main() -> None:
 async def _bare_grpc(address: str, offsets: list[float]) -> None:
     import grpc
 
-    from proto import cluster_pb2 as pb
-    from proto import cluster_pb2_grpc as pb_grpc
+    from vllm_cluster.proto import cluster_pb2 as pb
+    from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -121,11 +121,11 @@ def main() -> None:
     if args.stub:
         _stub_main()
         return
-    from loadtest.arrivals import arrival_offsets
-    from loadtest.datasets import SampleRequest
-    from loadtest.metrics import summarize
-    from loadtest.runner import Schedule, run
-    from loadtest.targets import GrpcTarget, OpenAITarget
+    from vllm_cluster.loadtest.arrivals import arrival_offsets
+    from vllm_cluster.loadtest.datasets import SampleRequest
+    from vllm_cluster.loadtest.metrics import summarize
+    from vllm_cluster.loadtest.runner import Schedule, run
+    from vllm_cluster.loadtest.targets import GrpcTarget, OpenAITarget
 
     stub = subprocess.Popen([sys.executable, __file__, "--stub"], stdout=subprocess.PIPE, env={**os.environ})
     try:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_cpu import random_prompts, timed
-from engine import LLM, LoRARequest, SamplingParams
 from tests.lora_adapters import write_adapter
+from vllm_cluster.engine import LLM, LoRARequest, SamplingParams
 
 
 def run(llm: LLM, prompts: list[list[int]], output_len: int, loras: list[LoRARequest | None]) -> None:

@@ -20,8 +20,8 @@ from functools import partial
 import torch
 import triton
 
-from kernels import triton_lora
-from kernels.triton_lora import ShrinkTiles
+from vllm_cluster.kernels import triton_lora
+from vllm_cluster.kernels.triton_lora import ShrinkTiles
 
 RANK, NUM_LORAS = 16, 16
 # name: (K, the parts' output columns)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.models.mixtral import SparseMoeBlock, route
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.models.mixtral import SparseMoeBlock, route
 
 
 def _time_ms(fn: Callable[..., Any], *args: Any, repeats: int = 20) -> float:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams
+from vllm_cluster.engine import LLM, SamplingParams
 
 
 def run(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, float]:

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import redis
 
-from engine.block_hash import BlockHash, hash_block_tokens
-from kv_index import BlockEventPublisher, PrefixIndex, start_embedded_redis
-from kv_index.schema import IndexKeys
+from vllm_cluster.engine.block_hash import BlockHash, hash_block_tokens
+from vllm_cluster.kv_index import BlockEventPublisher, PrefixIndex, start_embedded_redis
+from vllm_cluster.kv_index.schema import IndexKeys
 
 NAIVE_LOOKUP = """
 local prefix = ARGV[1]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster.client import Client, Completion
-from cluster.local import LocalCluster
+from vllm_cluster.cluster.client import Client, Completion
+from vllm_cluster.cluster.local import LocalCluster
 
 
 def run_workload(client: Client, requests: list[list[int]], output_len: int, concurrency: int) -> tuple[list[Completion], float]:

@@ -44,14 +44,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-import kernels
 from benchmarks import vary
 from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
-from engine import LLM, SamplingParams
-from engine.errors import EngineError
-from engine.layers import attention
-from engine.models.llama import CausalLM
-from kernels import int4_rows, pdl, triton_gemv, triton_int4_mma, triton_int4_mma_gemv
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.errors import EngineError
+from vllm_cluster.engine.layers import attention
+from vllm_cluster.engine.models.llama import CausalLM
+from vllm_cluster.kernels import int4_rows, pdl, triton_gemv, triton_int4_mma, triton_int4_mma_gemv
 
 PRESET = "llama-3.1-8b"
 RESULTS: list[dict[str, Any]] = []

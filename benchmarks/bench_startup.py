@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from engine.config import ModelConfig
-from engine.loader import gguf_file, load_model, resolve
-from engine.tokenizer import load_tokenizer
+from vllm_cluster.engine.config import ModelConfig
+from vllm_cluster.engine.loader import gguf_file, load_model, resolve
+from vllm_cluster.engine.tokenizer import load_tokenizer
 
 
 def start(config: ModelConfig, fresh: bool) -> tuple[float, float]:

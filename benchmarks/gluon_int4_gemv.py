@@ -23,8 +23,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.int4_mma_ptx import ASM, CONSTRAINTS
-from kernels.triton_int4_mma_gemv import MmaGemvConfig
+from vllm_cluster.kernels.int4_mma_ptx import ASM, CONSTRAINTS
+from vllm_cluster.kernels.triton_int4_mma_gemv import MmaGemvConfig
 
 GROUP = 128
 # Two 8-warp programs an SM at two blocks a step, as the production kernel runs o and down

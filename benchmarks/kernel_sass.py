@@ -25,7 +25,7 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import int4_mma_ptx, triton_gemv, triton_int4_mma_gemv, triton_int4_rows, triton_linear
+from vllm_cluster.kernels import int4_mma_ptx, triton_gemv, triton_int4_mma_gemv, triton_int4_rows, triton_linear
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # run-time values a launch does not specialise (1, 2, 3, ...)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine import LLM, SamplingParams, async_stepper, model_runner, sampler, scheduler
+from vllm_cluster.engine import LLM, SamplingParams, async_stepper, model_runner, sampler, scheduler
 
 SECTIONS: dict[str, float] = collections.defaultdict(float)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.local import LocalCluster  # noqa: E402
-from loadtest.soak import soak  # noqa: E402
 from tests.integration.test_soak import CONFIG, worker_stats  # noqa: E402
+from vllm_cluster.cluster.local import LocalCluster  # noqa: E402
+from vllm_cluster.loadtest.soak import soak  # noqa: E402
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ Placeholders that the process's host fills in: "{python}" (its interpreter), "{c
 
 from __future__ import annotations
 
-from cluster.config import Deployment
-from cluster.layout import InstancePlan
+from vllm_cluster.cluster.config import Deployment
+from vllm_cluster.cluster.layout import InstancePlan
 
 ANY_HOST = ("0.0.0.0", "::", "")
 
@@ -21,7 +21,7 @@ def worker_argv(deployment: Deployment, plan: InstancePlan, redis_url: str, kv_h
     host = cluster.host or "127.0.0.1"  # unset: loopback; listening everywhere is asked for by name
     kv_host = kv_host or ("{node_ip}" if host in ANY_HOST else host)
     argv = [
-        "{python}", "-m", f"{plan.role}_service", "--config", "{config}", "--ready-file", "{ready}",
+        "{python}", "-m", f"vllm_cluster.{plan.role}_service", "--config", "{config}", "--ready-file", "{ready}",
         "--name", plan.name, "--host", host, "--port", str(plan.port),
         "--kv-host", kv_host, "--kv-port", str(plan.kv_port), "--metrics-port", str(plan.metrics_port),
         "--transport", cluster.transport,
@@ -38,7 +38,7 @@ def worker_argv(deployment: Deployment, plan: InstancePlan, redis_url: str, kv_h
 def router_argv(deployment: Deployment, prefill: list[str], decode: list[str], redis_url: str) -> list[str]:
     """`python -m router ...` given the instances' gRPC addresses."""
     router = deployment.router
-    argv = ["{python}", "-m", "router", "--config", "{config}", "--ready-file", "{ready}",
+    argv = ["{python}", "-m", "vllm_cluster.router", "--config", "{config}", "--ready-file", "{ready}",
             "--port", str(router.port), "--http-port", str(router.http_port)]
     if redis_url:
         argv += ["--redis-url", redis_url]

@@ -28,16 +28,16 @@ from typing import Any
 
 import yaml
 
-from cluster.cli_args import (
+from vllm_cluster.cluster.cli_args import (
     SAMPLE_CHAT,
     add_down_parser,
     add_status_parsers,
     add_up_parser,
     add_worker_parser,
 )
-from cluster.client import Client, ClientError, Completion
-from loadtest.cli import add_bench_parser
-from proto.rpc import API_KEY_ENV
+from vllm_cluster.cluster.client import Client, ClientError, Completion
+from vllm_cluster.loadtest.cli import add_bench_parser
+from vllm_cluster.proto.rpc import API_KEY_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "chat":
         return _chat(args)
     if args.command == "bench":
-        from loadtest.cli import bench_main
+        from vllm_cluster.loadtest.cli import bench_main
 
         return bench_main(args)
     if args.offline:
@@ -59,38 +59,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from cluster.up import up_main
+    from vllm_cluster.cluster.up import up_main
 
     return up_main(args)
 
 
 def _down(args: argparse.Namespace) -> int:
-    from cluster.down import down_main
+    from vllm_cluster.cluster.down import down_main
 
     return down_main(args)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from cluster.status import status_main
+    from vllm_cluster.cluster.status import status_main
 
     return status_main(args)
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from cluster.status import logs_main
+    from vllm_cluster.cluster.status import logs_main
 
     return logs_main(args)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from cluster.instance import worker_main
+    from vllm_cluster.cluster.instance import worker_main
 
     return worker_main(args)
 
 
 def _health(args: argparse.Namespace) -> int:
     """For container healthchecks: 0 when the gRPC server at --address says SERVING."""
-    from proto.rpc import check_health, make_channel
+    from vllm_cluster.proto.rpc import check_health, make_channel
 
     healthy = check_health(make_channel(args.address), args.service, timeout_s=args.timeout_s)
     print("SERVING" if healthy else "NOT SERVING")
@@ -139,14 +139,14 @@ def _client_options(p: argparse.ArgumentParser, max_tokens: int, temperature: fl
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from cluster.chat import ChatSession, run_chat
+    from vllm_cluster.cluster.chat import ChatSession, run_chat
 
     with Client(args.address, api_key=args.api_key) as client:
         return run_chat(ChatSession(client, args.system, args.max_tokens, args.temperature))
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from cluster.chat import usage_line
+    from vllm_cluster.cluster.chat import usage_line
 
     text, chat = (None, [{"role": "user", "content": args.prompt}]) if args.chat else (args.prompt, None)
     with Client(args.address, api_key=args.api_key) as client:
@@ -168,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from engine import LLM, EngineConfig, EngineError, SamplingParams
+    from vllm_cluster.engine import LLM, EngineConfig, EngineError, SamplingParams
 
     try:
         llm = LLM.from_config(EngineConfig.from_yaml(args.config))
@@ -187,7 +187,7 @@ def _offline(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.local import LocalCluster
+    from vllm_cluster.cluster.local import LocalCluster
 
     cluster = LocalCluster.from_yaml(args.config)
     router = _router_section(args.config)
@@ -210,7 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
             for piece in client.stream(chat=[{"role": "user", "content": args.once}], max_tokens=args.max_tokens, temperature=0):
                 print(piece.text, end="", flush=True)
                 result.add(piece)
-        from cluster.up import timings_line
+        from vllm_cluster.cluster.up import timings_line
 
         print("\n" + timings_line(result))
     return 0

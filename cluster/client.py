@@ -32,9 +32,9 @@ from typing import Any
 
 import grpc
 
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import CHANNEL_OPTIONS
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import CHANNEL_OPTIONS
 
 
 class ClientError(Exception):

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig, _check_types, build_section
-from engine.errors import ConfigError
-from router.config import RouterConfig
+from vllm_cluster.engine.config import EngineConfig, _check_types, build_section
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.router.config import RouterConfig
 
 TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
 ROLES = ("prefill", "decode")
@@ -95,7 +95,7 @@ class ClusterConfig:
         if self.startup_timeout_s <= 0:
             raise ConfigError(f"cluster.startup_timeout_s: {self.startup_timeout_s} must be > 0")
         if self.kv_faults:
-            from kv_transfer.faults import Faults
+            from vllm_cluster.kv_transfer.faults import Faults
 
             try:
                 Faults.parse(self.kv_faults)

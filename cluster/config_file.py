@@ -20,10 +20,10 @@ from typing import Any
 
 import yaml
 
-from cluster.config import ClusterConfig, Deployment
-from engine.config import EngineConfig, _check_types, build_section
-from engine.errors import ConfigError
-from router.config import RouterConfig
+from vllm_cluster.cluster.config import ClusterConfig, Deployment
+from vllm_cluster.engine.config import EngineConfig, _check_types, build_section
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.router.config import RouterConfig
 
 SECTIONS = ("engine", "cluster", "router")
 _KEY_TOKEN = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")

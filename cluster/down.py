@@ -14,10 +14,10 @@ import argparse
 import socket
 import sys
 
-from cluster.procs import ProcessRef, terminate
-from cluster.state import ClusterState
-from cluster.status import find_state
-from engine.errors import ConfigError
+from vllm_cluster.cluster.procs import ProcessRef, terminate
+from vllm_cluster.cluster.state import ClusterState
+from vllm_cluster.cluster.status import find_state
+from vllm_cluster.engine.errors import ConfigError
 
 _OWNER_TIMEOUT_S = 120.0
 
@@ -35,7 +35,7 @@ def down_main(args: argparse.Namespace) -> int:
         _stop_through_ray(state, args.grace_s)
     survivors = terminate([r.process for r in state.processes if _is_local(r.node_ip)], args.grace_s)
     if state.ray_head is not None:
-        from cluster.ray_head import stop_head
+        from vllm_cluster.cluster.ray_head import stop_head
 
         survivors += stop_head(state.ray_head, state.ray_address)
     if survivors:
@@ -50,12 +50,12 @@ def down_main(args: argparse.Namespace) -> int:
 def _stop_through_ray(state: ClusterState, grace_s: float) -> None:
     if not _reachable(state.ray_address, state.ray_head):
         return  # its head is gone: the pids are all that is left to check
-    from cluster.ray_head import connect
+    from vllm_cluster.cluster.ray_head import connect
 
     connect(state.ray_address, state.ray_namespace, local=state.ray_head is not None)
     import ray
 
-    from cluster.ray_cluster import teardown
+    from vllm_cluster.cluster.ray_cluster import teardown
 
     try:
         teardown(state, grace_s)

@@ -15,10 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cluster.argv import worker_argv
-from cluster.config_file import load_deployment
-from cluster.layout import plan_instances
-from engine.errors import ConfigError
+from vllm_cluster.cluster.argv import worker_argv
+from vllm_cluster.cluster.config_file import load_deployment
+from vllm_cluster.cluster.layout import plan_instances
+from vllm_cluster.engine.errors import ConfigError
 
 
 def worker_main(args: argparse.Namespace) -> int:

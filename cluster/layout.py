@@ -13,8 +13,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from cluster.config import ROLES, Deployment
-from engine.errors import ConfigError, ModelLoadError
+from vllm_cluster.cluster.config import ROLES, Deployment
+from vllm_cluster.engine.errors import ConfigError, ModelLoadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +154,9 @@ def check_engine_roles(deployment: Deployment) -> None:
 
 def check_model_split(deployment: Deployment) -> None:
     """Each pool's tp x pp must split the model's heads and layers (KV heads divisible by tp)."""
-    from engine.loader import resolve  # imports torch: only when a layout is checked
-    from engine.models import ModelArchConfig
-    from engine.parallel import check_model
+    from vllm_cluster.engine.loader import resolve  # imports torch: only when a layout is checked
+    from vllm_cluster.engine.models import ModelArchConfig
+    from vllm_cluster.engine.parallel import check_model
 
     try:
         arch = ModelArchConfig.from_hf_dict(resolve(deployment.engine.model).hf_config)

@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
-from cluster.config import ClusterConfig
-from kv_index.redis_server import EmbeddedRedis, start_embedded_redis
-from proto.rpc import API_KEY_ENV, TOKEN_ENV
+from vllm_cluster.cluster.config import ClusterConfig
+from vllm_cluster.kv_index.redis_server import EmbeddedRedis, start_embedded_redis
+from vllm_cluster.proto.rpc import API_KEY_ENV, TOKEN_ENV
 
 
 @dataclass
@@ -152,7 +152,7 @@ class LocalCluster:
         ready = self.log_dir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", module, "--config", str(self.config_path), "--ready-file", str(ready)]
+        cmd = [sys.executable, "-m", f"vllm_cluster.{module}", "--config", str(self.config_path), "--ready-file", str(ready)]
         if module != "router":
             cmd += ["--name", name, "--host", self.config.host, "--kv-host", self.config.host,
                     "--transport", self.config.transport]

@@ -66,7 +66,7 @@ class ProcessHost:
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self, visible_devices: list[str] | None = None) -> Started:
-        from cluster.procs import ProcessRef
+        from vllm_cluster.cluster.procs import ProcessRef
 
         self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # resolved configs may hold the API key
         config_file = self.log_dir / f"{self.spec.name}.yaml"

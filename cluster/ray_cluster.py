@@ -34,14 +34,14 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from cluster.argv import ANY_HOST, router_argv, worker_argv
-from cluster.config import Deployment
-from cluster.layout import InstancePlan
-from cluster.process_host import ProcessHost, ProcessSpec, RankSlot, Started
-from cluster.procs import ProcessRef
-from cluster.state import ClusterState, ProcessRecord
-from kv_index.redis_server import free_port
-from proto.rpc import API_KEY_ENV, TOKEN_ENV, check_health, make_channel
+from vllm_cluster.cluster.argv import ANY_HOST, router_argv, worker_argv
+from vllm_cluster.cluster.config import Deployment
+from vllm_cluster.cluster.layout import InstancePlan
+from vllm_cluster.cluster.process_host import ProcessHost, ProcessSpec, RankSlot, Started
+from vllm_cluster.cluster.procs import ProcessRef
+from vllm_cluster.cluster.state import ClusterState, ProcessRecord
+from vllm_cluster.kv_index.redis_server import free_port
+from vllm_cluster.proto.rpc import API_KEY_ENV, TOKEN_ENV, check_health, make_channel
 
 _PLACEMENT_TIMEOUT_S = 120.0
 

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.layout import Resources
-from cluster.procs import ProcessRef, session_members, terminate
-from kv_index.redis_server import free_port
+from vllm_cluster.cluster.layout import Resources
+from vllm_cluster.cluster.procs import ProcessRef, session_members, terminate
+from vllm_cluster.kv_index.redis_server import free_port
 
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
 _HEAD_START_TIMEOUT_S = 300.0

@@ -34,11 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.procs import ProcessRef, wait_gone
-from cluster.ray_head import connect, start_in_process, use_local_ray
-from engine.config import ParallelConfig
-from engine.errors import ConfigError
-from engine.parallel.launch import WorkerExit, WorkerSpec, register_launcher
+from vllm_cluster.cluster.procs import ProcessRef, wait_gone
+from vllm_cluster.cluster.ray_head import connect, start_in_process, use_local_ray
+from vllm_cluster.engine.config import ParallelConfig
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.engine.parallel.launch import WorkerExit, WorkerSpec, register_launcher
 
 if importlib.util.find_spec("ray") is None:  # make_launcher turns this into a ConfigError
     raise ImportError("the ray package is not installed")
@@ -60,7 +60,7 @@ class RankActor:
         return os.getpid()
 
     def run(self, spec_json: str) -> None:
-        from engine.parallel.worker import run_worker
+        from vllm_cluster.engine.parallel.worker import run_worker
 
         run_worker(WorkerSpec.from_json(spec_json))
 

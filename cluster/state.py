@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.procs import ProcessRef
+from vllm_cluster.cluster.procs import ProcessRef
 
 DEFAULT_STATE_DIR = Path.home() / ".vllm-cluster"
 

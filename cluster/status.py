@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 
-from cluster.config_file import load_deployment
-from cluster.state import ClusterState, ProcessRecord, state_path
-from engine.errors import ConfigError
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import check_health, make_channel
+from vllm_cluster.cluster.config_file import load_deployment
+from vllm_cluster.cluster.state import ClusterState, ProcessRecord, state_path
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import check_health, make_channel
 
 _STUBS: dict[str, Any] = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWorkerStub}
 
@@ -119,12 +119,12 @@ def logs_main(args: argparse.Namespace) -> int:
         return 1
     path = Path(record.log_file)
     if path.exists():
-        from cluster.process_host import tail_file
+        from vllm_cluster.cluster.process_host import tail_file
 
         sys.stdout.write(tail_file(path, args.tail))
         return 0
     # On another node: ask the actor that runs it.
-    from cluster.ray_head import connect
+    from vllm_cluster.cluster.ray_head import connect
 
     connect(state.ray_address, state.ray_namespace, local=state.ray_head is not None)
     import ray

@@ -24,11 +24,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.cli_args import FLAG_KEYS
-from cluster.client import Client, ClientError, Completion
-from cluster.config import Deployment
-from cluster.config_file import load_deployment
-from cluster.layout import (
+from vllm_cluster.cluster.cli_args import FLAG_KEYS
+from vllm_cluster.cluster.client import Client, ClientError, Completion
+from vllm_cluster.cluster.config import Deployment
+from vllm_cluster.cluster.config_file import load_deployment
+from vllm_cluster.cluster.layout import (
     InstancePlan,
     check_engine_roles,
     check_layout,
@@ -37,13 +37,13 @@ from cluster.layout import (
     listen_ports,
     plan_instances,
 )
-from cluster.procs import ProcessRef, terminate
-from cluster.state import ClusterState, state_path
-from engine.errors import ConfigError
+from vllm_cluster.cluster.procs import ProcessRef, terminate
+from vllm_cluster.cluster.state import ClusterState, state_path
+from vllm_cluster.engine.errors import ConfigError
 
 if TYPE_CHECKING:
-    from cluster.ray_cluster import RayCluster
-from proto.rpc import API_KEY_ENV
+    from vllm_cluster.cluster.ray_cluster import RayCluster
+from vllm_cluster.proto.rpc import API_KEY_ENV
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
@@ -92,10 +92,10 @@ class _Up:
 
     def run(self) -> int:
         if not self.deployment.cluster.ray_address:
-            from cluster.ray_head import use_local_ray
+            from vllm_cluster.cluster.ray_head import use_local_ray
 
             use_local_ray()  # before Ray's first import: it reads some settings only then
-        from cluster.ray_cluster import ClusterStartError, RayCluster
+        from vllm_cluster.cluster.ray_cluster import ClusterStartError, RayCluster
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
         for private in (self.path.parent, self.log_dir):  # the token; resolved configs may hold the API key
@@ -165,7 +165,7 @@ class _Up:
         return 0
 
     def _start_ray(self) -> str:
-        from cluster import ray_head
+        from vllm_cluster.cluster import ray_head
 
         address = self.deployment.cluster.ray_address
         num_cpus = os.cpu_count() or 1
@@ -188,7 +188,7 @@ class _Up:
 
         ray.shutdown()
         if self.head is not None:
-            from cluster.ray_head import stop_head
+            from vllm_cluster.cluster.ray_head import stop_head
 
             stop_head(self.head, self.head_address)
 
@@ -201,7 +201,7 @@ def _check_here(deployment: Deployment) -> list[InstancePlan]:
     if deployment.cluster.ray_address:
         check_model_split(deployment)
         return plan_instances(deployment, use_gpus=deployment.engine.device != "cpu")
-    from cluster.ray_head import local_resources
+    from vllm_cluster.cluster.ray_head import local_resources
 
     plans = check_layout(deployment, local_resources(deployment.engine.device))
     check_ports_free(deployment, listen_ports(deployment, plans), deployment.cluster.host or "127.0.0.1")

@@ -25,20 +25,20 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.engine_loop import EngineLoop, RequestStream
-from engine.errors import InvalidRequestError
-from engine.scheduler import SampledToken
-from kv_transfer import KVLayout, KVReceiver, TransferStatus
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.convert import (
+from vllm_cluster.engine.engine_loop import EngineLoop, RequestStream
+from vllm_cluster.engine.errors import InvalidRequestError
+from vllm_cluster.engine.scheduler import SampledToken
+from vllm_cluster.kv_transfer import KVLayout, KVReceiver, TransferStatus
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.convert import (
     delta_to_proto,
     request_from_proto,
     sampled_token_from_proto,
     worker_stats_to_proto,
 )
-from proto.lora_admin import load_lora_adapter, unload_lora_adapter
-from proto.rpc import abort
+from vllm_cluster.proto.lora_admin import load_lora_adapter, unload_lora_adapter
+from vllm_cluster.proto.rpc import abort
 
 logger = logging.getLogger(__name__)
 

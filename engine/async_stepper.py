@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.device_tokens import DeviceTokens
-from engine.request import Request, RequestId
-from engine.sampler import Sampler
-from engine.scheduler import RequestUpdate, SampledToken, Scheduler
-from engine.scheduler_output import SchedulerOutput
+from vllm_cluster.engine.device_tokens import DeviceTokens
+from vllm_cluster.engine.request import Request, RequestId
+from vllm_cluster.engine.sampler import Sampler
+from vllm_cluster.engine.scheduler import RequestUpdate, SampledToken, Scheduler
+from vllm_cluster.engine.scheduler_output import SchedulerOutput
 
 # (the step, the previous step's sampled ids for its placeholders) -> (ids of the requests
 # that sample, their logits [N, V])

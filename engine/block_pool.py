@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NewType
 
-from engine.block_hash import BlockHash
+from vllm_cluster.engine.block_hash import BlockHash
 
 BlockId = NewType("BlockId", int)
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from engine.errors import ConfigError
-from engine.quantization import METHOD_NAMES
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.engine.quantization import METHOD_NAMES
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from engine.device_tokens import PlaceholderFill
-from engine.models import CausalLM
-from kernels import AttentionMetadata
+from vllm_cluster.engine.device_tokens import PlaceholderFill
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.kernels.dispatch import AttentionMetadata
 
 _NUM_ROWS = 6
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 6  # prompt tokens decoded with the first output token, for correct spacing
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import RequestId
+from vllm_cluster.engine.request import RequestId
 
 
 @dataclass(frozen=True, slots=True)

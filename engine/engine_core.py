@@ -29,20 +29,20 @@ from typing import Protocol
 
 import torch
 
-from engine.async_stepper import AsyncStepper
-from engine.config import EngineConfig
-from engine.device_tokens import DeviceTokens
-from engine.errors import ConfigError, InvalidRequestError
-from engine.kv_cache_manager import KVCacheManager
-from engine.loader import ModelSource, load_model, resolve
-from engine.lora import LoRAAdapterError, LoRAManager, load_adapter, lora_extra_key
-from engine.model_runner import ModelRunner, kv_cache_block_bytes
-from engine.models import CausalLM, ModelArchConfig
-from engine.models.kv_scales import warn_once_if_unscaled
-from engine.parallel.executor import ParallelExecutor
-from engine.parallel.topology import check_expert_parallel
-from engine.request import Request, RequestId, RequestStatus
-from engine.resolve import (
+from vllm_cluster.engine.async_stepper import AsyncStepper
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.device_tokens import DeviceTokens
+from vllm_cluster.engine.errors import ConfigError, InvalidRequestError
+from vllm_cluster.engine.kv_cache_manager import KVCacheManager
+from vllm_cluster.engine.loader import ModelSource, load_model, resolve
+from vllm_cluster.engine.lora import LoRAAdapterError, LoRAManager, load_adapter, lora_extra_key
+from vllm_cluster.engine.model_runner import ModelRunner, kv_cache_block_bytes
+from vllm_cluster.engine.models import CausalLM, ModelArchConfig
+from vllm_cluster.engine.models.kv_scales import warn_once_if_unscaled
+from vllm_cluster.engine.parallel.executor import ParallelExecutor
+from vllm_cluster.engine.parallel.topology import check_expert_parallel
+from vllm_cluster.engine.request import Request, RequestId, RequestStatus
+from vllm_cluster.engine.resolve import (
     available_memory_bytes,
     max_model_len,
     resolve_device,
@@ -50,10 +50,10 @@ from engine.resolve import (
     resolve_kv_cache_dtype,
     use_async_scheduling,
 )
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, SampledToken, Scheduler
-from engine.scheduler_output import SchedulerOutput
+from vllm_cluster.engine.sampler import Sampler
+from vllm_cluster.engine.sampling_params import SamplingParams
+from vllm_cluster.engine.scheduler import RequestUpdate, SampledToken, Scheduler
+from vllm_cluster.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

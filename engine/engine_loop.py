@@ -30,11 +30,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore, EngineStats, KVPush
-from engine.errors import EngineDeadError
-from engine.request import Request, TokenLogprobs
-from engine.scheduler import RequestUpdate, SampledToken
+from vllm_cluster.engine.detokenizer import IncrementalDetokenizer
+from vllm_cluster.engine.engine_core import EngineCore, EngineStats, KVPush
+from vllm_cluster.engine.errors import EngineDeadError
+from vllm_cluster.engine.request import Request, TokenLogprobs
+from vllm_cluster.engine.scheduler import RequestUpdate, SampledToken
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockId, BlockPool
-from engine.request import Request, RequestId
+from vllm_cluster.engine.block_pool import BlockId, BlockPool
+from vllm_cluster.engine.request import Request, RequestId
 
 
 def cdiv(a: int, b: int) -> int:

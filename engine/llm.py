@@ -1,6 +1,6 @@
 """The offline API, as vLLM users know it:
 
-    from engine import LLM, SamplingParams
+    from vllm_cluster.engine import LLM, SamplingParams
     llm = LLM(model="smollm2-135m-instruct", max_num_seqs=16)
     outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
     print(outputs[0].outputs[0].text)
@@ -15,15 +15,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.errors import InvalidRequestError
-from engine.lora import LoRARequest
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template, load_tokenizer
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.engine_core import EngineCore
+from vllm_cluster.engine.errors import InvalidRequestError
+from vllm_cluster.engine.lora import LoRARequest
+from vllm_cluster.engine.output_processor import OutputProcessor
+from vllm_cluster.engine.outputs import RequestOutput
+from vllm_cluster.engine.request import Request
+from vllm_cluster.engine.sampling_params import SamplingParams
+from vllm_cluster.engine.tokenizer import apply_chat_template, load_tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]

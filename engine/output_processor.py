@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.request import Request, TokenLogprobs
-from engine.scheduler import RequestUpdate
+from vllm_cluster.engine.detokenizer import IncrementalDetokenizer
+from vllm_cluster.engine.engine_core import EngineCore
+from vllm_cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm_cluster.engine.request import Request, TokenLogprobs
+from vllm_cluster.engine.scheduler import RequestUpdate
 
 
 @dataclass(slots=True)

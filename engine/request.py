@@ -14,8 +14,8 @@ from typing import NewType
 
 import torch
 
-from engine.block_hash import BlockHash, hash_block_tokens
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine.block_hash import BlockHash, hash_block_tokens
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
 

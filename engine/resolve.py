@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError
-from kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

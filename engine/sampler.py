@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from engine.request import Request, TokenLogprobs
-from engine.scheduler import SampledToken
+from vllm_cluster.engine.request import Request, TokenLogprobs
+from vllm_cluster.engine.scheduler import SampledToken
 
 _NEG_INF = float("-inf")
 

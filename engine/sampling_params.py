@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from vllm_cluster.engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 

@@ -22,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.block_pool import BlockId
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestId, RequestStatus, TokenLogprobs
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from vllm_cluster.engine.block_pool import BlockId
+from vllm_cluster.engine.config import SchedulerConfig
+from vllm_cluster.engine.kv_cache_manager import KVCacheManager
+from vllm_cluster.engine.request import Request, RequestId, RequestStatus, TokenLogprobs
+from vllm_cluster.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

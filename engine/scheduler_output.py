@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockId
-from engine.request import RequestId
+from vllm_cluster.engine.block_pool import BlockId
+from vllm_cluster.engine.request import RequestId
 
 # Async scheduling: a token that the step in flight is still sampling. The model runner
 # fills it in on the device from that step's sampled ids.

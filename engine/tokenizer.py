@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError
+from vllm_cluster.engine.errors import ModelLoadError
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -69,7 +69,7 @@ def dequantize(
     input (act-order), or None for groups of `group_size` consecutive inputs (-1: one)."""
     assert layout in LAYOUTS, layout
     if layout in ("rows", "pairs", "tiles"):
-        from kernels.int4_rows import (  # they import this module
+        from vllm_cluster.kernels.int4_rows import (  # they import this module
             tiles_to_pairs,
             unpack_pairs_layout,
             unpack_rows_layout,

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.int4_reference import unpack_rows
+from vllm_cluster.kernels.int4_reference import unpack_rows
 
 # The layout Int4Linear repacks GPTQ weights into (engine/quantization/int4_linear.py):
 # "tiles", "pairs" (batch-1 3.037 ms against 3.080 for rows, and offline throughput 5,509

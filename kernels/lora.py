@@ -54,7 +54,7 @@ def _groups(slots: torch.Tensor) -> SlotGroups:
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None) -> torch.Tensor:
     """x: [T, K], a: [L, N, K], slots: [T] (int, -1 = none) -> s as partials [S, T, N] fp32."""
     if groups is None and x.is_cuda:
-        from kernels import triton_lora
+        from vllm_cluster.kernels import triton_lora
 
         return triton_lora.lora_shrink(x, a, slots)
     s = x.new_zeros(x.shape[0], a.shape[1], dtype=torch.float32)
@@ -76,7 +76,7 @@ def lora_expand_add(
     partials; y: [T, M] (a column slice is fine), s: [S, T, P*R], b: [L, M, R],
     part_sizes: the parts' column counts (None: one part)."""
     if groups is None and y.is_cuda:
-        from kernels import triton_lora
+        from vllm_cluster.kernels import triton_lora
 
         triton_lora.lora_expand_add(y, s, b, slots, part_sizes)
         return

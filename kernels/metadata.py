@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kernels.torch_ops import CpuPlan
+    from vllm_cluster.kernels.torch_ops import CpuPlan
 
 
 @dataclass(slots=True)

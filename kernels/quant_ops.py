@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import AddNorm, Normed
+from vllm_cluster.kernels.dispatch import AddNorm, Normed
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_AMAX = 1e-12  # the same floor as kernels/triton_fp8_quant.py
@@ -110,8 +110,8 @@ def _weight_only_cpu(
 
 def _w8_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The weight-only Triton kernels for 1-byte weights: the GEMV for a few rows, else tiles."""
-    from kernels.triton_gemv import gemv_w8
-    from kernels.triton_int8_gemm import int8_gemm
+    from vllm_cluster.kernels.triton_gemv import gemv_w8
+    from vllm_cluster.kernels.triton_int8_gemm import int8_gemm
 
     if x.shape[0] <= _W8_GEMV_MAX_ROWS:
         return gemv_w8(x, qweight, scale, bias)
@@ -129,10 +129,10 @@ def w8_linear_silu_mul(
     [gate | up] weight; where both run the 1-byte GEMV (rows of x up to _W8_GEMV_MAX_ROWS on
     CUDA), one launch that applies SiLU-and-mul to its sums, rounded as the two launches round."""
     if x.is_cuda and x.shape[0] <= _W8_GEMV_MAX_ROWS:
-        from kernels.triton_gemv import gemv_w8
+        from vllm_cluster.kernels.triton_gemv import gemv_w8
 
         return gemv_w8(x, qweight, scale, bias, silu_mul=True)
-    from kernels import silu_and_mul
+    from vllm_cluster.kernels.dispatch import silu_and_mul
 
     return silu_and_mul(linear(x, qweight, scale, bias))
 
@@ -149,7 +149,7 @@ def w8_linear_add_norm(
     (normed, h); at one row on CUDA, where both run the 1-byte GEMV, the normed half is a
     `Normed` for the GEMV after to finish (kernels/triton_add_norm.py)."""
     if add_norm.in_epilogue(x):
-        from kernels.triton_gemv import gemv_w8_add_norm
+        from vllm_cluster.kernels.triton_gemv import gemv_w8_add_norm
 
         hg, h = gemv_w8_add_norm(x, qweight, scale, bias, add_norm)
         return add_norm.deferred(hg), h
@@ -167,7 +167,7 @@ def w8_linear_normed(
     """`linear` (with silu_mul `w8_linear_silu_mul`) of x.materialize(); on CUDA the 1-byte
     GEMV finishes the norm itself (kernels/triton_add_norm.py)."""
     if x.hg.is_cuda:
-        from kernels.triton_gemv import gemv_w8
+        from vllm_cluster.kernels.triton_gemv import gemv_w8
 
         return gemv_w8(x.hg, qweight, scale, bias, silu_mul=silu_mul, rms=x)
     if silu_mul:
@@ -179,7 +179,7 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32)."""
     if not x.is_cuda:
         return per_token_quant_fp8_reference(x)
-    from kernels.triton_fp8_quant import per_token_quant_fp8 as triton_quant
+    from vllm_cluster.kernels.triton_fp8_quant import per_token_quant_fp8 as triton_quant
 
     return triton_quant(x.contiguous())
 

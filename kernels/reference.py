@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_kv import dequantize, quantize
+from vllm_cluster.kernels.fp8_kv import dequantize, quantize
 
 Scale = torch.Tensor | float | None
 

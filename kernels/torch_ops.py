@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_kv import is_fp8, quantize, scale_value
-from kernels.metadata import AttentionMetadata
+from vllm_cluster.kernels.fp8_kv import is_fp8, quantize, scale_value
+from vllm_cluster.kernels.metadata import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import AddNorm, Normed
+from vllm_cluster.kernels.dispatch import AddNorm, Normed
 
 
 def launch_args(

@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import pdl
-from kernels.fp8_kv import is_fp8
-from kernels.triton_decode_combine import combine_splits_kernel
-from kernels.triton_rotary_kv import cos_sin_row, rotate_and_cache_new_kv, rotate_heads
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.fp8_kv import is_fp8
+from vllm_cluster.kernels.triton_decode_combine import combine_splits_kernel
+from vllm_cluster.kernels.triton_rotary_kv import cos_sin_row, rotate_and_cache_new_kv, rotate_heads
 
 _MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write) shows
 _MAX_NUM_SPLITS = 64  # bounds the combine kernel's [splits, head_dim] register tile

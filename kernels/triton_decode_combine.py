@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from vllm_cluster.kernels import pdl
 
 
 @triton.jit

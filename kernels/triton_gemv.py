@@ -28,15 +28,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import AddNorm, Normed, pdl
-from kernels.triton_add_norm import (
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.dispatch import AddNorm, Normed
+from vllm_cluster.kernels.triton_add_norm import (
     launch_args,
     load_residual,
     load_sum_of_squares,
     rms_scale,
     store_add_norm,
 )
-from kernels.triton_linear import store_outputs, weight_rows
+from vllm_cluster.kernels.triton_linear import store_outputs, weight_rows
 
 GEMV_MAX_ROWS = 4
 # Row sums per tile (False) reduce each [BN, BK] tile across the program's warps through

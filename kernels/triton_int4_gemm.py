@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
 
 # Rows of x up to which the split-K GEMV of kernels/triton_int4_gemv.py runs (it repeats
 # the unpack for each row: at 4 rows it was 2-3x slower than at 1 on the H200), then the

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.semaphores import semaphores
-from kernels.triton_gemv import GEMV_MAX_ROWS
+from vllm_cluster.kernels.semaphores import semaphores
+from vllm_cluster.kernels.triton_gemv import GEMV_MAX_ROWS
 
 # 2^23: 0x4B000000 | q read as fp32 is _MAGIC + q for q < 2^23.
 _MAGIC: tl.constexpr = tl.constexpr(8388608.0)

@@ -42,11 +42,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels import AddNorm, Normed, pdl
-from kernels import triton_int4_mma_gemv as mma_gemv
-from kernels.int4_rows import pairs_shape
-from kernels.semaphores import reduce_splits, semaphores
-from kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.dispatch import AddNorm, Normed
+from vllm_cluster.kernels import triton_int4_mma_gemv as mma_gemv
+from vllm_cluster.kernels.int4_rows import pairs_shape
+from vllm_cluster.kernels.semaphores import reduce_splits, semaphores
+from vllm_cluster.kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
 
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
@@ -317,7 +318,7 @@ def int4_gemm_pairs(
         x = rms.materialize()
     n, _ = pairs_shape(qweight)
     if silu_mul and (m != 1 or ONE_ROW_ON_TL_DOT or not SILU_MUL_GEMV):
-        from kernels import silu_and_mul
+        from vllm_cluster.kernels.dispatch import silu_and_mul
 
         return silu_and_mul(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms, tiled=tiled))
     if m > DEQUANT_MIN_ROWS:

@@ -60,19 +60,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import AddNorm, Normed, pdl
-from kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
-from kernels.int4_rows import ROW_BLOCK, pairs_shape
-from kernels.semaphores import semaphores, sum_splits
-from kernels.triton_add_norm import (
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.dispatch import AddNorm, Normed
+from vllm_cluster.kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
+from vllm_cluster.kernels.int4_rows import ROW_BLOCK, pairs_shape
+from vllm_cluster.kernels.semaphores import semaphores, sum_splits
+from vllm_cluster.kernels.triton_add_norm import (
     launch_args,
     load_residual,
     load_sum_of_squares,
     rms_scale,
     store_add_norm,
 )
-from kernels.triton_int4_rows import split_steps
-from kernels.triton_linear import store_outputs
+from vllm_cluster.kernels.triton_int4_rows import split_steps
+from vllm_cluster.kernels.triton_linear import store_outputs
 
 # Rows of x a program takes: the MMA's 8 columns (m16n8k16; fixed, not a tuning value; the
 # kernel's literal 8s). x's rows are split into chunks of 8, one program each (grid axis 0,

@@ -31,10 +31,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels import pdl
-from kernels.int4_rows import ROW_BLOCK
-from kernels.semaphores import semaphores, sum_splits
-from kernels.triton_linear import store_outputs, weight_rows
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.int4_rows import ROW_BLOCK
+from vllm_cluster.kernels.semaphores import semaphores, sum_splits
+from vllm_cluster.kernels.triton_linear import store_outputs, weight_rows
 
 # Blocks of 128 inputs per step of the one-row GEMV (pick_rows_config's default).
 GEMV_UNROLL = 2

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_rows import ROW_BLOCK
-from kernels.triton_int4_rows import gemv_rows, pick_rows_config
+from vllm_cluster.kernels.int4_rows import ROW_BLOCK
+from vllm_cluster.kernels.triton_int4_rows import gemv_rows, pick_rows_config
 
 # Rows of x above which the weight is dequantized for cuBLAS instead of tl.dot tiles.
 DEQUANT_MIN_ROWS = 128

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_gemv import w8_to_float
+from vllm_cluster.kernels.triton_gemv import w8_to_float
 
 
 @triton.jit

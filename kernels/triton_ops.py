@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.fp8_kv import FP8_MAX, is_fp8
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.fp8_kv import FP8_MAX, is_fp8
 
 _FP8_MAX = tl.constexpr(FP8_MAX)  # a jit function reads only constexpr globals
 

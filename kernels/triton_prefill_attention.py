@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import is_fp8
+from vllm_cluster.kernels.fp8_kv import is_fp8
 
 _LOG2_E = 1.4426950408889634
 

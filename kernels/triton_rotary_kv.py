@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.fp8_kv import is_fp8
-from kernels.triton_ops import _to_fp8
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.fp8_kv import is_fp8
+from vllm_cluster.kernels.triton_ops import _to_fp8
 
 
 @triton.jit

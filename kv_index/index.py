@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import redis
 
-from kv_index.schema import BLOCK_HASH_BYTES, LOOKUP, IndexKeys, connect, run_script
+from vllm_cluster.kv_index.schema import BLOCK_HASH_BYTES, LOOKUP, IndexKeys, connect, run_script
 
 logger = logging.getLogger(__name__)
 

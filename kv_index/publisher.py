@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
-from kv_index.schema import HEARTBEAT, UNREGISTER, IndexKeys, connect, run_script
+from vllm_cluster.kv_index.schema import HEARTBEAT, UNREGISTER, IndexKeys, connect, run_script
 
 logger = logging.getLogger(__name__)
 

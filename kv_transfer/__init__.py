@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kv_transfer.base import (
+from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVLayoutMismatch,
     KVReceiver,
@@ -21,7 +21,7 @@ from kv_transfer.base import (
     KVTransferError,
     TransferStatus,
 )
-from kv_transfer.local import LocalReceiver, LocalSender
+from vllm_cluster.kv_transfer.local import LocalReceiver, LocalSender
 
 __all__ = [
     "BACKENDS",
@@ -63,15 +63,15 @@ def make_receiver(
     `endpoint`). A local receiver takes a fresh name instead."""
     backend = backend_of(backend)
     if backend == "ucx":
-        from kv_transfer.ucx import UcxReceiver
+        from vllm_cluster.kv_transfer.ucx import UcxReceiver
 
         return UcxReceiver(kv_caches, layout, host, port)
     if backend == "nccl":
-        from kv_transfer.torch_dist import TorchDistReceiver
+        from vllm_cluster.kv_transfer.torch_dist import TorchDistReceiver
 
         return TorchDistReceiver(kv_caches, layout, host, port)
     if backend == "cuda_ipc":
-        from kv_transfer.cuda_ipc import CudaIpcReceiver
+        from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcReceiver
 
         return CudaIpcReceiver(kv_caches, layout, host, port)
     return LocalReceiver(kv_caches, layout, name=f"receiver-{next(_local_names)}")
@@ -86,15 +86,15 @@ def make_sender(
     """A sender for a backend, named directly ("ucx") or by an endpoint ("ucx://HOST:PORT")."""
     backend = backend_of(endpoint_or_backend)
     if backend == "ucx":
-        from kv_transfer.ucx import UcxSender
+        from vllm_cluster.kv_transfer.ucx import UcxSender
 
         return UcxSender(kv_caches, layout, sender_id)
     if backend == "nccl":
-        from kv_transfer.torch_dist import TorchDistSender
+        from vllm_cluster.kv_transfer.torch_dist import TorchDistSender
 
         return TorchDistSender(kv_caches, layout, sender_id)
     if backend == "cuda_ipc":
-        from kv_transfer.cuda_ipc import CudaIpcSender
+        from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcSender
 
         return CudaIpcSender(kv_caches, layout, sender_id)
     return LocalSender(kv_caches, layout, sender_id)

@@ -22,8 +22,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from proto import kv_transfer_pb2
-from proto.rpc import TOKEN_ENV
+from vllm_cluster.proto import kv_transfer_pb2
+from vllm_cluster.proto.rpc import TOKEN_ENV
 
 
 class TransferStatus(enum.IntEnum):

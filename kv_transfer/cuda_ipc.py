@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.base import (
+from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVTransferError,
     TransferStatus,
     handshake_message,
     parse_endpoint,
 )
-from kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
-from proto import kv_transfer_pb2 as kvpb
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.proto import kv_transfer_pb2 as kvpb
 
 logger = logging.getLogger(__name__)
 

@@ -24,15 +24,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kv_transfer.base import (
+from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVTransferError,
     TransferStatus,
     check_kv_caches,
     handshake_message,
 )
-from kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
-from proto import kv_transfer_pb2
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.proto import kv_transfer_pb2
 
 _registry: dict[str, LocalReceiver] = {}
 _registry_lock = threading.Lock()

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from google.protobuf.message import DecodeError
 
-from kv_transfer.base import (
+from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVTransferError,
     TransferStatus,
@@ -65,9 +65,9 @@ from kv_transfer.base import (
     parse_endpoint,
     unpack_frame,
 )
-from kv_transfer.torch_dist_io import local_address_towards, pair_group, pop, wait_done
-from kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
-from proto import kv_transfer_pb2
+from vllm_cluster.kv_transfer.torch_dist_io import local_address_towards, pair_group, pop, wait_done
+from vllm_cluster.kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.proto import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv_transfer import faults
-from kv_transfer.base import (
+from vllm_cluster.kv_transfer import faults
+from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVLayoutMismatch,
     KVTransferError,
@@ -42,8 +42,8 @@ from kv_transfer.base import (
     check_block_ids,
     split_segments,
 )
-from proto import kv_transfer_pb2
-from proto.rpc import TOKEN_ENV
+from vllm_cluster.proto import kv_transfer_pb2
+from vllm_cluster.proto.rpc import TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ import ucxx
 from google.protobuf.message import DecodeError
 from ucxx.exceptions import UCXError
 
-from kv_transfer.base import (
+from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVTransferError,
     TransferStatus,
@@ -58,8 +58,8 @@ from kv_transfer.base import (
     pack_frames,
     parse_endpoint,
 )
-from kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
-from kv_transfer.ucx_io import (
+from vllm_cluster.kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.kv_transfer.ucx_io import (
     BYTES_TAG,
     CONNECT_TIMEOUT_S,
     MAX_FRAME_BYTES,
@@ -70,7 +70,7 @@ from kv_transfer.ucx_io import (
     send,
     send_frame,
 )
-from proto import kv_transfer_pb2
+from vllm_cluster.proto import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
 

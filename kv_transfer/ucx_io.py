@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import ucxx
 
-from kv_transfer.base import KVTransferError, flat_bytes, unpack_frame
+from vllm_cluster.kv_transfer.base import KVTransferError, flat_bytes, unpack_frame
 
 T = TypeVar("T")
 

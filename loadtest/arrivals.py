@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from loadtest.datasets import SampleRequest
+from vllm_cluster.loadtest.datasets import SampleRequest
 
 
 def arrival_offsets(

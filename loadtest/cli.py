@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the rest loads when a bench runs: `vllm-cluster --help` stays fast
-    from loadtest.datasets import SampleRequest
-    from loadtest.runner import RunOutcome
-    from loadtest.targets import Target
+    from vllm_cluster.loadtest.datasets import SampleRequest
+    from vllm_cluster.loadtest.runner import RunOutcome
+    from vllm_cluster.loadtest.targets import Target
 
 DATASETS = ("random", "prefix_repetition", "sharegpt", "mooncake")
 BACKENDS = ("grpc", "openai", "openai-chat")
@@ -117,7 +117,7 @@ def bench_main(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.bench_command == "throughput":
         return _throughput(args)
-    from loadtest.datasets import DatasetError
+    from vllm_cluster.loadtest.datasets import DatasetError
 
     try:
         requests = load_requests(args)
@@ -133,9 +133,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def load_requests(args: argparse.Namespace) -> list[SampleRequest]:
-    from engine.loader import bundled_model_path
-    from engine.tokenizer import load_tokenizer
-    from loadtest.datasets import (
+    from vllm_cluster.engine.loader import bundled_model_path
+    from vllm_cluster.engine.tokenizer import load_tokenizer
+    from vllm_cluster.loadtest.datasets import (
         mooncake_dataset,
         prefix_repetition_dataset,
         random_dataset,
@@ -167,8 +167,8 @@ def _as_text(request: SampleRequest, args: argparse.Namespace) -> SampleRequest:
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
-    from engine.loader import bundled_model_path
-    from engine.tokenizer import load_tokenizer
+    from vllm_cluster.engine.loader import bundled_model_path
+    from vllm_cluster.engine.tokenizer import load_tokenizer
 
     if not hasattr(args, "_tokenizer"):
         args._tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else bundled_model_path())
@@ -176,7 +176,7 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 
 def make_target(args: argparse.Namespace, model: str) -> Target:
-    from loadtest.targets import GrpcTarget, OpenAITarget
+    from vllm_cluster.loadtest.targets import GrpcTarget, OpenAITarget
 
     sampling = {"temperature": args.temperature, "ignore_eos": not args.no_ignore_eos}
     if args.backend == "grpc":
@@ -189,9 +189,9 @@ def _serve_once(
     args: argparse.Namespace, requests: list[SampleRequest], rate: float, max_concurrency: int | None,
     filename: str | None,
 ) -> tuple[dict[str, Any], RunOutcome]:
-    from loadtest.metrics import format_table, parse_goodput, summarize
-    from loadtest.plots import plot_run
-    from loadtest.runner import Schedule, run
+    from vllm_cluster.loadtest.metrics import format_table, parse_goodput, summarize
+    from vllm_cluster.loadtest.plots import plot_run
+    from vllm_cluster.loadtest.runner import Schedule, run
 
     model = args.model or _server_model(args)
     schedule = Schedule(rate, args.burstiness, max_concurrency, args.use_trace_timestamps, args.num_warmups, args.seed)
@@ -226,7 +226,7 @@ def _serve_once(
 
 
 def _sweep(args: argparse.Namespace, requests: list[SampleRequest]) -> int:
-    from loadtest.plots import plot_sweep
+    from vllm_cluster.loadtest.plots import plot_sweep
 
     rates = [float(r) for r in args.request_rates.split(",") if r]
     concurrencies = [int(c) for c in args.concurrencies.split(",") if c]
@@ -254,7 +254,7 @@ def _sweep(args: argparse.Namespace, requests: list[SampleRequest]) -> int:
 
 
 def _throughput(args: argparse.Namespace) -> int:
-    from engine import LLM, EngineConfig, SamplingParams
+    from vllm_cluster.engine import LLM, EngineConfig, SamplingParams
 
     if args.config:
         llm = LLM.from_config(EngineConfig.from_yaml(args.config))
@@ -286,7 +286,7 @@ def _throughput(args: argparse.Namespace) -> int:
 def _server_model(args: argparse.Namespace) -> str:
     """The served model, asked of the server (what `vllm bench serve` needs --model for)."""
     if args.backend == "grpc":
-        from cluster.client import Client
+        from vllm_cluster.cluster.client import Client
 
         with Client(args.address, api_key=args.api_key or None) as client:
             return client.list_models()[0].id

@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from loadtest.metrics import RequestResult, in_flight_steps, output_tokens_per_s, tpot_s
+from vllm_cluster.loadtest.metrics import RequestResult, in_flight_steps, output_tokens_per_s, tpot_s
 
 
 def plot_run(results: list[RequestResult], outdir: str | Path, prefix: str) -> list[Path]:

@@ -18,10 +18,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loadtest.arrivals import arrival_offsets, trace_offsets
-from loadtest.datasets import SampleRequest
-from loadtest.metrics import RequestResult
-from loadtest.targets import Target
+from vllm_cluster.loadtest.arrivals import arrival_offsets, trace_offsets
+from vllm_cluster.loadtest.datasets import SampleRequest
+from vllm_cluster.loadtest.metrics import RequestResult
+from vllm_cluster.loadtest.targets import Target
 
 
 @dataclass(slots=True)

@@ -17,11 +17,11 @@ from typing import Any, Protocol
 import aiohttp
 import grpc
 
-from loadtest.datasets import SampleRequest
-from loadtest.metrics import RequestResult
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import CHANNEL_OPTIONS
+from vllm_cluster.loadtest.datasets import SampleRequest
+from vllm_cluster.loadtest.metrics import RequestResult
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import CHANNEL_OPTIONS
 
 _TIMING_FIELDS = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s")
 

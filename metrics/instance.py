@@ -24,9 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.engine_loop import EngineLoop
-from metrics import buckets
-from metrics.router import FINISH_REASONS
+from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.metrics import buckets
+from vllm_cluster.metrics.router import FINISH_REASONS
 
 _LABELS = ("model_name", "role", "instance_id")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from metrics import buckets
-from proto import cluster_pb2 as pb
+from vllm_cluster.metrics import buckets
+from vllm_cluster.proto import cluster_pb2 as pb
 
 FINISH_REASONS = ("stop", "length", "abort")
 _LABELS = ("model_name", "role")

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.engine_loop import EngineLoop
-from kv_transfer import KVLayout, make_sender
-from metrics import InstanceMetrics
-from prefill_service.servicer import PrefillServicer
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.worker_main import add_worker_args, build_engine, serve
+from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.kv_transfer import KVLayout, make_sender
+from vllm_cluster.metrics import InstanceMetrics
+from vllm_cluster.prefill_service.servicer import PrefillServicer
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.worker_main import add_worker_args, build_engine, serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kv_transfer import KVSender, TransferStatus
+from vllm_cluster.kv_transfer import KVSender, TransferStatus
 
 
 class ReservationPush:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import cluster_pb2 as proto_dot_cluster__pb2
+from vllm_cluster.proto import cluster_pb2 as vllm__cluster_dot_proto_dot_cluster__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/cluster_pb2_grpc.py depends on'
+        + ' but the generated code in vllm_cluster/proto/cluster_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/vllm_cluster.Generation/Generate',
-                request_serializer=proto_dot_cluster__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.GenerateResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/vllm_cluster.Generation/Abort',
-                request_serializer=proto_dot_cluster__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.AbortResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.AbortRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/vllm_cluster.Generation/ListModels',
-                request_serializer=proto_dot_cluster__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.ListModelsResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/vllm_cluster.Generation/LoadLoRAAdapter',
-                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadLoRAAdapter = channel.unary_unary(
                 '/vllm_cluster.Generation/UnloadLoRAAdapter',
-                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -100,28 +100,28 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_cluster__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_cluster__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.AbortRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.AbortResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=proto_dot_cluster__pb2.ListModelsRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListModelsRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListModelsResponse.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
-                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
             'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoRAAdapter,
-                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -149,8 +149,8 @@ class Generation:
             request,
             target,
             '/vllm_cluster.Generation/Generate',
-            proto_dot_cluster__pb2.GenerateRequest.SerializeToString,
-            proto_dot_cluster__pb2.GenerateResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.GenerateRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Generation:
             request,
             target,
             '/vllm_cluster.Generation/Abort',
-            proto_dot_cluster__pb2.AbortRequest.SerializeToString,
-            proto_dot_cluster__pb2.AbortResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.AbortRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -203,8 +203,8 @@ class Generation:
             request,
             target,
             '/vllm_cluster.Generation/ListModels',
-            proto_dot_cluster__pb2.ListModelsRequest.SerializeToString,
-            proto_dot_cluster__pb2.ListModelsResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ListModelsRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -230,8 +230,8 @@ class Generation:
             request,
             target,
             '/vllm_cluster.Generation/LoadLoRAAdapter',
-            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -257,8 +257,8 @@ class Generation:
             request,
             target,
             '/vllm_cluster.Generation/UnloadLoRAAdapter',
-            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,33 +281,33 @@ class DecodeWorkerStub:
         """
         self.Reserve = channel.unary_unary(
                 '/vllm_cluster.DecodeWorker/Reserve',
-                request_serializer=proto_dot_cluster__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.Reservation.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.Reservation.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/vllm_cluster.DecodeWorker/Decode',
-                request_serializer=proto_dot_cluster__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.GenerateResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/vllm_cluster.DecodeWorker/Release',
-                request_serializer=proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.ReleaseResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/vllm_cluster.DecodeWorker/Stats',
-                request_serializer=proto_dot_cluster__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.WorkerStats.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.StatsRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.WorkerStats.FromString,
                 _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/vllm_cluster.DecodeWorker/LoadLoRAAdapter',
-                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadLoRAAdapter = channel.unary_unary(
                 '/vllm_cluster.DecodeWorker/UnloadLoRAAdapter',
-                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -355,33 +355,33 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=proto_dot_cluster__pb2.ReserveRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.Reservation.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReserveRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.Reservation.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=proto_dot_cluster__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_cluster__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_cluster__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.StatsRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.WorkerStats.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
-                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
             'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoRAAdapter,
-                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -409,8 +409,8 @@ class DecodeWorker:
             request,
             target,
             '/vllm_cluster.DecodeWorker/Reserve',
-            proto_dot_cluster__pb2.ReserveRequest.SerializeToString,
-            proto_dot_cluster__pb2.Reservation.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ReserveRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.Reservation.FromString,
             options,
             channel_credentials,
             insecure,
@@ -436,8 +436,8 @@ class DecodeWorker:
             request,
             target,
             '/vllm_cluster.DecodeWorker/Decode',
-            proto_dot_cluster__pb2.DecodeRequest.SerializeToString,
-            proto_dot_cluster__pb2.GenerateResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.DecodeRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -463,8 +463,8 @@ class DecodeWorker:
             request,
             target,
             '/vllm_cluster.DecodeWorker/Release',
-            proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_cluster__pb2.ReleaseResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -490,8 +490,8 @@ class DecodeWorker:
             request,
             target,
             '/vllm_cluster.DecodeWorker/Stats',
-            proto_dot_cluster__pb2.StatsRequest.SerializeToString,
-            proto_dot_cluster__pb2.WorkerStats.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.StatsRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -517,8 +517,8 @@ class DecodeWorker:
             request,
             target,
             '/vllm_cluster.DecodeWorker/LoadLoRAAdapter',
-            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -544,8 +544,8 @@ class DecodeWorker:
             request,
             target,
             '/vllm_cluster.DecodeWorker/UnloadLoRAAdapter',
-            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -568,28 +568,28 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/vllm_cluster.PrefillWorker/Prefill',
-                request_serializer=proto_dot_cluster__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.PrefillResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/vllm_cluster.PrefillWorker/Abort',
-                request_serializer=proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.ReleaseResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/vllm_cluster.PrefillWorker/Stats',
-                request_serializer=proto_dot_cluster__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.WorkerStats.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.StatsRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.WorkerStats.FromString,
                 _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/vllm_cluster.PrefillWorker/LoadLoRAAdapter',
-                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadLoRAAdapter = channel.unary_unary(
                 '/vllm_cluster.PrefillWorker/UnloadLoRAAdapter',
-                request_serializer=proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-                response_deserializer=proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -631,28 +631,28 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_cluster__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.PrefillRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_cluster__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_cluster__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.StatsRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.WorkerStats.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
-                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
             'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoRAAdapter,
-                    request_deserializer=proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
-                    response_serializer=proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -680,8 +680,8 @@ class PrefillWorker:
             request,
             target,
             '/vllm_cluster.PrefillWorker/Prefill',
-            proto_dot_cluster__pb2.PrefillRequest.SerializeToString,
-            proto_dot_cluster__pb2.PrefillResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.PrefillRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -707,8 +707,8 @@ class PrefillWorker:
             request,
             target,
             '/vllm_cluster.PrefillWorker/Abort',
-            proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_cluster__pb2.ReleaseResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -734,8 +734,8 @@ class PrefillWorker:
             request,
             target,
             '/vllm_cluster.PrefillWorker/Stats',
-            proto_dot_cluster__pb2.StatsRequest.SerializeToString,
-            proto_dot_cluster__pb2.WorkerStats.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.StatsRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -761,8 +761,8 @@ class PrefillWorker:
             request,
             target,
             '/vllm_cluster.PrefillWorker/LoadLoRAAdapter',
-            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -788,8 +788,8 @@ class PrefillWorker:
             request,
             target,
             '/vllm_cluster.PrefillWorker/UnloadLoRAAdapter',
-            proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
-            proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.engine_core import EngineCore, EngineStats
-from engine.engine_loop import StreamDelta
-from engine.request import Request, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
-from proto import cluster_pb2 as pb
+from vllm_cluster.engine.engine_core import EngineCore, EngineStats
+from vllm_cluster.engine.engine_loop import StreamDelta
+from vllm_cluster.engine.request import Request, TokenLogprobs
+from vllm_cluster.engine.sampling_params import SamplingParams
+from vllm_cluster.engine.scheduler import SampledToken
+from vllm_cluster.proto import cluster_pb2 as pb
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

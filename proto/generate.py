@@ -1,9 +1,11 @@
 """Regenerates the Python code for every .proto in this folder:
 
-    python -m proto.generate          # writes proto/*_pb2.py, *_pb2_grpc.py, *_pb2.pyi
-    python -m proto.generate --check  # exits 1 when the committed code is stale
+    python -m vllm_cluster.proto.generate          # writes proto/*_pb2.py, *_pb2_grpc.py, *_pb2.pyi
+    python -m vllm_cluster.proto.generate --check  # exits 1 when the committed code is stale
 
-Imports in the generated code are rooted at the repository (`from proto import ...`).
+Imports in the generated code, and the .proto files' own imports, are rooted at the import
+namespace (`from vllm_cluster.proto import ...`, `import "vllm_cluster/proto/x.proto"`):
+protoc runs over a temporary include tree in which vllm_cluster/proto is this folder.
 """
 
 from __future__ import annotations
@@ -15,24 +17,27 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-ROOT = PROTO_DIR.parent
+PACKAGE = Path("vllm_cluster", "proto")  # where the generated modules are imported from
 
 
 def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc  # dev dependency; only this script needs it
 
+    include = out_dir / "include"
+    (include / PACKAGE).parent.mkdir(parents=True)
+    (include / PACKAGE).symlink_to(PROTO_DIR, target_is_directory=True)
     sources = sorted(PROTO_DIR.glob("*.proto"))
     args = [
         "grpc_tools.protoc",
-        f"-I{ROOT}",
+        f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        *(str(s.relative_to(ROOT)) for s in sources),
+        *(str(PACKAGE / s.name) for s in sources),
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {[s.name for s in sources]}")
-    return sorted((out_dir / "proto").glob("*_pb2*.py*"))
+    return sorted((out_dir / PACKAGE).glob("*_pb2*.py*"))
 
 
 def main() -> int:
@@ -45,7 +50,7 @@ def main() -> int:
                  or not filecmp.cmp(f, PROTO_DIR / f.name, shallow=False)]
         if args.check:
             if stale:
-                print(f"stale generated code: {stale}; run `python -m proto.generate`", file=sys.stderr)
+                print(f"stale generated code: {stale}; run `python -m vllm_cluster.proto.generate`", file=sys.stderr)
                 return 1
             return 0
         for f in fresh:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 
-from engine.engine_loop import EngineLoop
-from engine.errors import InvalidRequestError
-from proto import cluster_pb2 as pb
-from proto.rpc import abort
+from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.errors import InvalidRequestError
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto.rpc import abort
 
 
 def load_lora_adapter(loop: EngineLoop, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:

@@ -13,14 +13,14 @@ from typing import Any
 
 import grpc
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.engine_loop import EngineLoop
-from engine.tokenizer import load_tokenizer
-from kv_index import BlockEventPublisher
-from kv_transfer import faults
-from metrics import InstanceMetrics
-from proto.rpc import TOKEN_ENV, HealthReporter, announce_and_wait, make_server
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.engine_core import EngineCore
+from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.tokenizer import load_tokenizer
+from vllm_cluster.kv_index import BlockEventPublisher
+from vllm_cluster.kv_transfer import faults
+from vllm_cluster.metrics import InstanceMetrics
+from vllm_cluster.proto.rpc import TOKEN_ENV, HealthReporter, announce_and_wait, make_server
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:

@@ -14,20 +14,20 @@ from pathlib import Path
 import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.config import EngineConfig
-from engine.loader import resolve
-from engine.models.config import ModelArchConfig
-from engine.resolve import max_model_len
-from engine.tokenizer import load_tokenizer
-from kv_index import PrefixIndex
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import API_KEY_ENV, TOKEN_ENV, announce_and_wait, make_server
-from router.config import RouterConfig
-from router.openai.app import HttpServer, build_app
-from router.openai.backend import RouterBackend
-from router.openai.serving import OpenAIServing
-from router.registry import Registry
-from router.servicer import RouterServicer
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.loader import resolve
+from vllm_cluster.engine.models.config import ModelArchConfig
+from vllm_cluster.engine.resolve import max_model_len
+from vllm_cluster.engine.tokenizer import load_tokenizer
+from vllm_cluster.kv_index import PrefixIndex
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import API_KEY_ENV, TOKEN_ENV, announce_and_wait, make_server
+from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.router.openai.app import HttpServer, build_app
+from vllm_cluster.router.openai.backend import RouterBackend
+from vllm_cluster.router.openai.serving import OpenAIServing
+from vllm_cluster.router.registry import Registry
+from vllm_cluster.router.servicer import RouterServicer
 
 
 def main(argv: list[str] | None = None) -> int:

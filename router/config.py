@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import build_section
-from engine.errors import ConfigError
-from router.policy import POLICIES, PrefixWeights
+from vllm_cluster.engine.config import build_section
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.router.policy import POLICIES, PrefixWeights
 
 FAILURE_POLICIES = ("recompute", "fail")
 

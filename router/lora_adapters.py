@@ -13,8 +13,8 @@ import threading
 
 import grpc
 
-from proto import cluster_pb2 as pb
-from router.registry import Registry
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.router.registry import Registry
 
 _TIMEOUT_S = 60.0
 

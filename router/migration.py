@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2 as pb
 
 
 @dataclass

@@ -17,15 +17,15 @@ from functools import partial
 
 import grpc
 
-from engine.block_hash import hash_block_tokens
-from kv_index import PrefixIndex
-from proto import cluster_pb2 as pb
-from router.admission import AdmissionQueue
-from router.calls import abort, end_aborted
-from router.config import RouterConfig
-from router.handoff import Handoff, HandoffState
-from router.policy import rank
-from router.registry import Instance, Registry
+from vllm_cluster.engine.block_hash import hash_block_tokens
+from vllm_cluster.kv_index import PrefixIndex
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.router.admission import AdmissionQueue
+from vllm_cluster.router.calls import abort, end_aborted
+from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.router.handoff import Handoff, HandoffState
+from vllm_cluster.router.policy import rank
+from vllm_cluster.router.registry import Instance, Registry
 
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 

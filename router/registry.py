@@ -14,10 +14,10 @@ from typing import Any
 
 import grpc
 
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import make_channel
-from router.policy import InstanceLoad
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import make_channel
+from vllm_cluster.router.policy import InstanceLoad
 
 logger = logging.getLogger(__name__)
 

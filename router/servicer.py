@@ -32,22 +32,22 @@ from typing import Any
 
 import grpc
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.lora import lora_extra_key
-from engine.tokenizer import apply_chat_template
-from kv_index import PrefixIndex
-from metrics import RouterMetrics
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.convert import sampling_params_from_proto
-from router.calls import abort, end_aborted
-from router.config import RouterConfig
-from router.handoff import Handoff, HandoffState
-from router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
-from router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
-from router.placement import Placement
-from router.policy import should_skip_prefill
-from router.registry import Instance, Registry
+from vllm_cluster.engine.errors import InvalidRequestError, ModelLoadError
+from vllm_cluster.engine.lora import lora_extra_key
+from vllm_cluster.engine.tokenizer import apply_chat_template
+from vllm_cluster.kv_index import PrefixIndex
+from vllm_cluster.metrics import RouterMetrics
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.convert import sampling_params_from_proto
+from vllm_cluster.router.calls import abort, end_aborted
+from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.router.handoff import Handoff, HandoffState
+from vllm_cluster.router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
+from vllm_cluster.router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
+from vllm_cluster.router.placement import Placement
+from vllm_cluster.router.policy import should_skip_prefill
+from vllm_cluster.router.registry import Instance, Registry
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import LLM
+from vllm_cluster.engine import LLM
 
 torch.set_num_threads(2)
 

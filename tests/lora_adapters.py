@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.lora.adapter import TARGET_MODULES, module_shape
-from engine.models import ModelArchConfig
+from vllm_cluster.engine.lora.adapter import TARGET_MODULES, module_shape
+from vllm_cluster.engine.models import ModelArchConfig
 
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import Rope
-from kernels import AttentionMetadata, Normed, rotary_paged_attention
+from vllm_cluster.engine.layers.linear import Linear
+from vllm_cluster.engine.layers.norm import RMSNorm
+from vllm_cluster.engine.layers.rotary import Rope
+from vllm_cluster.kernels.dispatch import AttentionMetadata, Normed, rotary_paged_attention
 
 
 class Attention(nn.Module):

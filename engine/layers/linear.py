@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AddNorm, Normed, linear, linear_add_norm, linear_silu_mul
+from vllm_cluster.kernels.dispatch import AddNorm, Normed, linear, linear_add_norm, linear_silu_mul
 
 
 class Linear(nn.Linear):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AddNorm, Normed, fused_add_rms_norm
+from vllm_cluster.kernels.dispatch import AddNorm, Normed, fused_add_rms_norm
 
 
 class RMSNorm(nn.Module):

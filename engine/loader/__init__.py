@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import ConfigError, ModelLoadError
-from engine.loader.gguf_file import gguf_hf_config, gguf_weights
-from engine.loader.presets import PRESETS
-from engine.models import CausalLM, ModelArchConfig
-from engine.quantization import QuantMethod, get_method, is_quantized, quantize_model, select_method
+from vllm_cluster.engine.config import ModelConfig
+from vllm_cluster.engine.errors import ConfigError, ModelLoadError
+from vllm_cluster.engine.loader.gguf_file import gguf_hf_config, gguf_weights
+from vllm_cluster.engine.loader.presets import PRESETS
+from vllm_cluster.engine.models import CausalLM, ModelArchConfig
+from vllm_cluster.engine.quantization import get_method, select_method
+from vllm_cluster.engine.quantization.base import QuantMethod
+from vllm_cluster.engine.quantization.swap import is_quantized, quantize_model
 
 BUNDLED_MODEL = "smollm2-135m-instruct"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,8 +146,8 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device)
 
 
 def _rebuild_buffers(model: CausalLM, arch: ModelArchConfig, device: torch.device) -> None:
-    from engine.layers.attention import Attention
-    from engine.layers.rotary import RotaryEmbedding
+    from vllm_cluster.engine.layers.attention import Attention
+    from vllm_cluster.engine.layers.rotary import RotaryEmbedding
 
     with torch.device(device):
         model.model.rotary = RotaryEmbedding(

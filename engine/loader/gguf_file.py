@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.errors import ModelLoadError
+from vllm_cluster.engine.errors import ModelLoadError
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

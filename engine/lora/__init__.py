@@ -6,8 +6,8 @@ layers.py    LoRALinear, wrapped around a built model's linears from outside
 manager.py   resident slots (at most max_loras, LRU-swapped) and each step's token slots
 """
 
-from engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
-from engine.lora.manager import LoRAManager
-from engine.lora.request import LoRARequest, lora_extra_key
+from vllm_cluster.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from vllm_cluster.engine.lora.manager import LoRAManager
+from vllm_cluster.engine.lora.request import LoRARequest, lora_extra_key
 
 __all__ = ["LoRAAdapter", "LoRAAdapterError", "LoRAManager", "LoRARequest", "load_adapter", "lora_extra_key"]

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.models import ModelArchConfig
+from vllm_cluster.engine.errors import InvalidRequestError
+from vllm_cluster.engine.models import ModelArchConfig
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

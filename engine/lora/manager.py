@@ -14,13 +14,13 @@ from collections import OrderedDict
 
 import torch
 
-from engine.config import LoRAConfig
-from engine.lora.adapter import LoRAAdapter, LoRAAdapterError
-from engine.lora.layers import LoRAContext, LoRALinear, apply_lora
-from engine.models import CausalLM
-from engine.request import RequestId
-from engine.scheduler_output import ScheduledRequest
-from kernels.lora import SlotGroups
+from vllm_cluster.engine.config import LoRAConfig
+from vllm_cluster.engine.lora.adapter import LoRAAdapter, LoRAAdapterError
+from vllm_cluster.engine.lora.layers import LoRAContext, LoRALinear, apply_lora
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.request import RequestId
+from vllm_cluster.engine.scheduler_output import ScheduledRequest
+from vllm_cluster.kernels.lora import SlotGroups
 
 
 class LoRAManager:

@@ -1,4 +1,4 @@
-from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
-from engine.models.llama import CausalLM
+from vllm_cluster.engine.models.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from vllm_cluster.engine.models.llama import CausalLM
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelArchConfig"]

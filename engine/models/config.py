@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ModelLoadError
+from vllm_cluster.engine.errors import ModelLoadError
 
 # The architectures one shared decoder implements, and what each adds.
 SUPPORTED_ARCHITECTURES = {

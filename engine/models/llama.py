@@ -12,16 +12,16 @@ from typing import cast
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
-from engine.layers.attention import Attention
-from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm, add_norm, project_add_norm
-from engine.layers.rotary import Rope, RotaryEmbedding
-from engine.models import mixtral
-from engine.models.config import ModelArchConfig
-from engine.models.kv_scales import kv_scale_targets, per_layer_scale
-from engine.quantization import is_quantized
-from kernels import AddNorm, AttentionMetadata, Normed, silu_and_mul
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.layers.attention import Attention
+from vllm_cluster.engine.layers.linear import Linear
+from vllm_cluster.engine.layers.norm import RMSNorm, add_norm, project_add_norm
+from vllm_cluster.engine.layers.rotary import Rope, RotaryEmbedding
+from vllm_cluster.engine.models import mixtral
+from vllm_cluster.engine.models.config import ModelArchConfig
+from vllm_cluster.engine.models.kv_scales import kv_scale_targets, per_layer_scale
+from vllm_cluster.engine.quantization.swap import is_quantized
+from vllm_cluster.kernels.dispatch import AddNorm, AttentionMetadata, Normed, silu_and_mul
 
 
 class MLP(nn.Module):

@@ -37,10 +37,10 @@ stage's logits are gathered on rank 0 -> the sampler -> scheduler.update_from_ou
 With tp = pp = 1 none of this is imported into the step: EngineCore runs ModelRunner.
 """
 
-from engine.parallel.executor import ParallelExecutor
-from engine.parallel.groups import Group, make_group
-from engine.parallel.launch import ProcessLauncher, WorkerExit, WorkerLauncher, WorkerSpec
-from engine.parallel.topology import Placement, Topology, check_model
+from vllm_cluster.engine.parallel.executor import ParallelExecutor
+from vllm_cluster.engine.parallel.groups import Group, make_group
+from vllm_cluster.engine.parallel.launch import ProcessLauncher, WorkerExit, WorkerLauncher, WorkerSpec
+from vllm_cluster.engine.parallel.topology import Placement, Topology, check_model
 
 __all__ = [
     "Group",

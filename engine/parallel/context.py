@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.layers.attention import kv_scales
-from engine.models import CausalLM
-from engine.parallel.expert import shard_experts
-from engine.parallel.groups import FOREVER, Group, backend_for, make_group
-from engine.parallel.pipeline import apply_pp
-from engine.parallel.tensor import apply_tp
-from engine.parallel.topology import Placement, Topology
+from vllm_cluster.engine.layers.attention import kv_scales
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.parallel.expert import shard_experts
+from vllm_cluster.engine.parallel.groups import FOREVER, Group, backend_for, make_group
+from vllm_cluster.engine.parallel.pipeline import apply_pp
+from vllm_cluster.engine.parallel.tensor import apply_tp
+from vllm_cluster.engine.parallel.topology import Placement, Topology
 
 
 @dataclass(slots=True)

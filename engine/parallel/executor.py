@@ -32,16 +32,16 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError, WorkerDiedError
-from engine.loader import ModelSource, load_model
-from engine.model_runner import ModelRunner
-from engine.models import CausalLM, ModelArchConfig
-from engine.parallel.context import ParallelContext
-from engine.parallel.groups import host_store
-from engine.parallel.kv_mirror import KVMirror
-from engine.parallel.launch import WorkerLauncher, WorkerSpec, error_key, hello_key, make_launcher
-from engine.parallel.messages import (
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.errors import ConfigError, WorkerDiedError
+from vllm_cluster.engine.loader import ModelSource, load_model
+from vllm_cluster.engine.model_runner import ModelRunner
+from vllm_cluster.engine.models import CausalLM, ModelArchConfig
+from vllm_cluster.engine.parallel.context import ParallelContext
+from vllm_cluster.engine.parallel.groups import host_store
+from vllm_cluster.engine.parallel.kv_mirror import KVMirror
+from vllm_cluster.engine.parallel.launch import WorkerLauncher, WorkerSpec, error_key, hello_key, make_launcher
+from vllm_cluster.engine.parallel.messages import (
     ControlChannel,
     Kind,
     KVCacheInit,
@@ -49,10 +49,10 @@ from engine.parallel.messages import (
     encode_init,
     encode_step,
 )
-from engine.parallel.stage_runner import StageRunner
-from engine.parallel.topology import Topology, check_model, kv_heads_of
-from engine.request import RequestId
-from engine.scheduler_output import SchedulerOutput
+from vllm_cluster.engine.parallel.stage_runner import StageRunner
+from vllm_cluster.engine.parallel.topology import Topology, check_model, kv_heads_of
+from vllm_cluster.engine.request import RequestId
+from vllm_cluster.engine.scheduler_output import SchedulerOutput
 
 _HOST = "127.0.0.1"
 _STOP_TIMEOUT_S = 10.0

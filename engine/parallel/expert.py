@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.errors import ConfigError
-from engine.models.mixtral import SparseMoeBlock
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.engine.models.mixtral import SparseMoeBlock
 
 
 def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.parallel.groups import Group
-from engine.parallel.topology import kv_heads_of
+from vllm_cluster.engine.parallel.groups import Group
+from vllm_cluster.engine.parallel.topology import kv_heads_of
 
 
 class KVMirror:

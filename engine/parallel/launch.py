@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.config import ParallelConfig
-from engine.errors import ConfigError
+from vllm_cluster.engine.config import ParallelConfig
+from vllm_cluster.engine.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ class ProcessLauncher:
         for spec in specs:
             # The rank's thread count from its first import on (OpenMP reads this once).
             env = {**os.environ, "OMP_NUM_THREADS": str(spec.num_threads)}
-            command = [sys.executable, "-m", "engine.parallel.worker", spec.to_json()]
+            command = [sys.executable, "-m", "vllm_cluster.engine.parallel.worker", spec.to_json()]
             self._processes[spec.rank] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
 
     def pid(self, rank: int) -> int:
@@ -124,7 +124,7 @@ _LAUNCHERS: dict[str, LauncherFactory] = {"mp": lambda _parallel: ProcessLaunche
 # imported. The engine imports such a module by name, and only when its backend is asked
 # for: `engine` itself never imports Ray (ARCHITECTURE.md), and a machine without Ray
 # runs the "mp" backend as before.
-_BACKEND_MODULES = {"ray": "cluster.ray_launcher"}
+_BACKEND_MODULES = {"ray": "vllm_cluster.cluster.ray_launcher"}
 
 
 def register_launcher(name: str, factory: LauncherFactory) -> None:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.parallel.groups import Group
-from kernels import linear
+from vllm_cluster.engine.parallel.groups import Group
+from vllm_cluster.kernels.dispatch import linear
 
 
 class RowParallelLinear(nn.Module):

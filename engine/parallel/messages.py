@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from engine.block_pool import BlockId
-from engine.parallel.groups import Group
-from engine.request import RequestId
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from vllm_cluster.engine.block_pool import BlockId
+from vllm_cluster.engine.parallel.groups import Group
+from vllm_cluster.engine.request import RequestId
+from vllm_cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Kind(enum.IntEnum):

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models import CausalLM
-from engine.parallel.topology import Placement
-from engine.scheduler_output import ScheduledRequest
-from kernels import AttentionMetadata
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.parallel.topology import Placement
+from vllm_cluster.engine.scheduler_output import ScheduledRequest
+from vllm_cluster.kernels.dispatch import AttentionMetadata
 
 
 def apply_pp(model: CausalLM, place: Placement) -> None:

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from engine.model_runner import ModelRunner
-from engine.models import CausalLM
-from engine.parallel.context import ParallelContext
-from engine.parallel.kv_mirror import KVMirror
-from engine.parallel.pipeline import run_stage, split_micro_batches
-from engine.parallel.topology import kv_heads_of
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from vllm_cluster.engine.model_runner import ModelRunner
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.parallel.context import ParallelContext
+from vllm_cluster.engine.parallel.kv_mirror import KVMirror
+from vllm_cluster.engine.parallel.pipeline import run_stage, split_micro_batches
+from vllm_cluster.engine.parallel.topology import kv_heads_of
+from vllm_cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class StageRunner:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.attention import Attention
-from engine.models import CausalLM
-from engine.models.llama import MLP
-from engine.parallel.groups import Group
-from engine.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from engine.parallel.topology import kv_heads_of, vocab_shard_size
+from vllm_cluster.engine.layers.attention import Attention
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.models.llama import MLP
+from vllm_cluster.engine.parallel.groups import Group
+from vllm_cluster.engine.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from vllm_cluster.engine.parallel.topology import kv_heads_of, vocab_shard_size
 
 
 def apply_tp(model: CausalLM, group: Group) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ConfigError
-from engine.models import ModelArchConfig
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.engine.models import ModelArchConfig
 
 
 @dataclass(frozen=True, slots=True)

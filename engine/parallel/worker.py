@@ -20,12 +20,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from engine.loader import build_model
-from engine.models import ModelArchConfig
-from engine.parallel.context import ParallelContext
-from engine.parallel.groups import join_store
-from engine.parallel.launch import WorkerSpec, error_key, hello_key
-from engine.parallel.messages import (
+from vllm_cluster.engine.loader import build_model
+from vllm_cluster.engine.models import ModelArchConfig
+from vllm_cluster.engine.parallel.context import ParallelContext
+from vllm_cluster.engine.parallel.groups import join_store
+from vllm_cluster.engine.parallel.launch import WorkerSpec, error_key, hello_key
+from vllm_cluster.engine.parallel.messages import (
     ControlChannel,
     Kind,
     decode_block_ids,
@@ -33,8 +33,8 @@ from engine.parallel.messages import (
     decode_step,
     kv_cache_dtype_of,
 )
-from engine.parallel.stage_runner import StageRunner
-from engine.parallel.topology import Topology
+from vllm_cluster.engine.parallel.stage_runner import StageRunner
+from vllm_cluster.engine.parallel.topology import Topology
 
 logger = logging.getLogger(__name__)
 

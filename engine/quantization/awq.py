@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ModelLoadError
-from engine.quantization.gptq import read_bits, read_group_size
-from engine.quantization.int4_linear import Int4Method, Int4Spec
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.quantization.gptq import read_bits, read_group_size
+from vllm_cluster.engine.quantization.int4_linear import Int4Method, Int4Spec
 
 DEFAULT_GROUP_SIZE = 128
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.quantization.online import OnlineMethod
-from kernels import AddNorm, Normed
-from kernels.quant_ops import (
+from vllm_cluster.engine.quantization.online import OnlineMethod
+from vllm_cluster.kernels.dispatch import AddNorm, Normed
+from vllm_cluster.kernels.quant_ops import (
     FP8_MAX,
     fp8_linear,
     w8_linear_add_norm,

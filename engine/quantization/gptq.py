@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ModelLoadError
-from engine.quantization.int4_linear import Int4Method, Int4Spec
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.quantization.int4_linear import Int4Method, Int4Spec
 
 # checkpoint_format -> the offset added to a stored zero: v1 stores zero - 1.
 _FORMATS = {"gptq": 1, "gptq_v2": 0}

@@ -31,12 +31,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-import kernels
-from engine.errors import ModelLoadError
-from engine.quantization.int4_pack import PACK, pack_cols, pack_rows
-from kernels import int4_rows
-from kernels.int4_reference import group_index, unpack_cols
-from kernels.int4_rows import (
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.quantization.int4_pack import PACK, pack_cols, pack_rows
+from vllm_cluster.kernels import int4_rows
+from vllm_cluster.kernels.int4_reference import group_index, unpack_cols
+from vllm_cluster.kernels.int4_rows import (
     gptq_to_pairs,
     gptq_to_rows,
     pairs_layout_fits,

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
+from vllm_cluster.engine.errors import ModelLoadError
 
 
 class OnlineMethod:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.openai.protocol import (
+from vllm_cluster.router.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +36,7 @@ from router.openai.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from router.openai.serving import OpenAIServing, error_body, new_request_id
+from vllm_cluster.router.openai.serving import OpenAIServing, error_body, new_request_id
 
 logger = logging.getLogger(__name__)
 

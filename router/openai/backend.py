@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import CHANNEL_OPTIONS
-from router.openai.protocol import ApiError
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import CHANNEL_OPTIONS
+from vllm_cluster.router.openai.protocol import ApiError
 
 RETRY_AFTER_S = 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2 as pb
 
 _MIN_LOGPROB = -9999.0
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2 as pb
 
 MAX_N = 64  # choices per request; each is its own sequence on a decode instance
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch

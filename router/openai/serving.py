@@ -17,12 +17,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tokenizer import apply_chat_template
-from proto import cluster_pb2 as pb
-from proto.rpc import scrub
-from router.openai.backend import Piece, RouterBackend
-from router.openai.logprobs import chat_logprobs, completion_logprobs
-from router.openai.protocol import (
+from vllm_cluster.engine.tokenizer import apply_chat_template
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto.rpc import scrub
+from vllm_cluster.router.openai.backend import Piece, RouterBackend
+from vllm_cluster.router.openai.logprobs import chat_logprobs, completion_logprobs
+from vllm_cluster.router.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,

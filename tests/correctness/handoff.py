@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine import SamplingParams
-from engine.engine_core import EngineCore
-from engine.scheduler import SampledToken
+from vllm_cluster.engine import SamplingParams
+from vllm_cluster.engine.engine_core import EngineCore
+from vllm_cluster.engine.scheduler import SampledToken
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.quantization.int4_pack import (
+from vllm_cluster.engine.quantization.int4_pack import (
     Int4Weights,
     act_order_g_idx,
     pack_awq,

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from engine.layers.attention import Attention
-from engine.models import CausalLM
-from kernels import AttentionMetadata
-from kernels.torch_ops import make_plan
+from vllm_cluster.engine.layers.attention import Attention
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.kernels.dispatch import AttentionMetadata
+from vllm_cluster.kernels.torch_ops import make_plan
 
 MAX_NEW_TOKENS = 8
 PROMPTS = [

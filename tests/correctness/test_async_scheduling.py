@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.engine_loop import EngineLoop
-from engine.outputs import RequestOutput
-from engine.tokenizer import apply_chat_template
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.outputs import RequestOutput
+from vllm_cluster.engine.tokenizer import apply_chat_template
 
 pytestmark = pytest.mark.slow
 

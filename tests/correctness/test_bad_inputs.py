@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError, ModelLoadError
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.errors import InvalidRequestError, ModelLoadError
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from vllm_cluster.engine import LLM, SamplingParams
 
 MAX_NEW_TOKENS = 8
 MAX_NUM_BATCHED_TOKENS = 16

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.scheduler import SampledToken
 from tests.correctness.handoff import run_disaggregated
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.scheduler import SampledToken
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.engine_loop import EngineLoop
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.engine_loop import EngineLoop
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ class _Fatal(BaseException):
 
 
 def test_dead_loop_ends_streams_and_refuses_calls(smollm2: LLM) -> None:
-    from engine.errors import EngineDeadError
+    from vllm_cluster.engine.errors import EngineDeadError
 
     loop = EngineLoop(smollm2.derive().core, smollm2.get_tokenizer())
     tok = smollm2.get_tokenizer()

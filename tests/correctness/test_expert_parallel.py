@@ -23,11 +23,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine import LLM, SamplingParams
-from engine.models import CausalLM
-from engine.parallel.expert import moe_blocks, shard_experts
-from engine.parallel.groups import Group, host_store, join_store, make_group
-from engine.parallel.tensor import apply_tp
 from tests.correctness.mixtral_checkpoint import (
     MAX_NEW_TOKENS,
     PROMPTS,
@@ -35,6 +30,11 @@ from tests.correctness.mixtral_checkpoint import (
     prefill_logits,
     save_hf_mixtral,
 )
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.parallel.expert import moe_blocks, shard_experts
+from vllm_cluster.engine.parallel.groups import Group, host_store, join_store, make_group
+from vllm_cluster.engine.parallel.tensor import apply_tp
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, ConfigError, SamplingParams
-from engine.loader.presets import PRESETS
-from engine.parallel.expert import moe_blocks
 from tests.correctness.mixtral_checkpoint import MAX_NEW_TOKENS, PROMPTS, hf_greedy, save_hf_mixtral
+from vllm_cluster.engine import LLM, ConfigError, SamplingParams
+from vllm_cluster.engine.loader.presets import PRESETS
+from vllm_cluster.engine.parallel.expert import moe_blocks
 
 pytestmark = pytest.mark.slow
 

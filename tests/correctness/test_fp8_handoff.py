@@ -11,13 +11,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import LLM
-from engine.engine_core import EngineCore
-from engine.scheduler import SampledToken
-from kv_transfer import KVLayout, TransferStatus, make_receiver, make_sender
-from prefill_service.push import ReservationPush
 from tests.correctness.handoff import run_disaggregated
 from tests.correctness.test_heterogeneous_tp import PARAMS, PROMPTS, TINY
+from vllm_cluster.engine import LLM
+from vllm_cluster.engine.engine_core import EngineCore
+from vllm_cluster.engine.scheduler import SampledToken
+from vllm_cluster.kv_transfer import KVLayout, TransferStatus, make_receiver, make_sender
+from vllm_cluster.prefill_service.push import ReservationPush
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine import LLM
+from vllm_cluster.engine import LLM
 
 
 def _our_view(ours: dict[str, torch.Tensor], hf_name: str, llm: LLM) -> torch.Tensor:

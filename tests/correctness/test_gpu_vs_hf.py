@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from vllm_cluster.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

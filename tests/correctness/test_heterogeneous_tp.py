@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import ConfigError
 from tests.correctness.handoff import run_disaggregated
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
 from tests.correctness.handoff import run_disaggregated
+from vllm_cluster.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 

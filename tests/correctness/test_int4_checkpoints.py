@@ -28,13 +28,6 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.errors import ModelLoadError
-from engine.loader import bundled_model_path, load_model, resolve
-from engine.loader.gguf_file import gguf_hf_config, gguf_weights
-from engine.models import CausalLM
-from engine.quantization.int4_linear import Int4Linear
 from tests.correctness.int4_checkpoint import (
     TINY_LLAMA,
     Int4Settings,
@@ -43,6 +36,13 @@ from tests.correctness.int4_checkpoint import (
     write_int4_pair,
 )
 from tests.correctness.mixtral_checkpoint import prefill_logits
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.config import ModelConfig
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.loader import bundled_model_path, load_model, resolve
+from vllm_cluster.engine.loader.gguf_file import gguf_hf_config, gguf_weights
+from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.quantization.int4_linear import Int4Linear
 
 PROMPTS = [[3, 141, 59, 26, 5], [(37 * i + 11) % 256 for i in range(29)]]
 SETTINGS = {

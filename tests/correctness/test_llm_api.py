@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.outputs import CompletionOutput
-from engine.tokenizer import apply_chat_template
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.outputs import CompletionOutput
+from vllm_cluster.engine.tokenizer import apply_chat_template
 
 pytestmark = pytest.mark.slow
 

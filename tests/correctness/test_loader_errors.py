@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import ModelLoadError
-from engine.loader import bundled_model_path
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.loader import bundled_model_path
 
 _SMALL_ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", num_blocks=16, block_size=4, max_model_len=64)
 

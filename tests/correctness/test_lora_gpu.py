@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, LoRARequest, SamplingParams
 from tests.lora_adapters import write_adapter
 from tests.unit.test_lora_manager import PROMPTS, TINY
+from vllm_cluster.engine import LLM, LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

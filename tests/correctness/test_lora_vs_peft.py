@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, LoRARequest, SamplingParams
+from vllm_cluster.engine import LLM, LoRARequest, SamplingParams
 
 peft = pytest.importorskip("peft")
 

@@ -11,8 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.models.mixtral import SparseMoeBlock
 from tests.correctness.mixtral_checkpoint import (
     MAX_NEW_TOKENS,
     PROMPTS,
@@ -21,6 +19,8 @@ from tests.correctness.mixtral_checkpoint import (
     prefill_logits,
     save_hf_mixtral,
 )
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.models.mixtral import SparseMoeBlock
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import LLM, ConfigError, SamplingParams
-from engine.errors import WorkerDiedError
-from engine.outputs import RequestOutput
-from engine.parallel.launch import ProcessLauncher
+from vllm_cluster.engine import LLM, ConfigError, SamplingParams
+from vllm_cluster.engine.errors import WorkerDiedError
+from vllm_cluster.engine.outputs import RequestOutput
+from vllm_cluster.engine.parallel.launch import ProcessLauncher
 
 pytestmark = pytest.mark.slow
 

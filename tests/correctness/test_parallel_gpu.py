@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import WorkerDiedError
-from engine.parallel.launch import ProcessLauncher
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.errors import WorkerDiedError
+from vllm_cluster.engine.parallel.launch import ProcessLauncher
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 

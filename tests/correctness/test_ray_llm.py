@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.procs import ProcessRef, wait_gone
-from cluster.ray_launcher import RayLauncher
-from engine import LLM, SamplingParams
-from engine.errors import WorkerDiedError
-from engine.outputs import RequestOutput
+from vllm_cluster.cluster.procs import ProcessRef, wait_gone
+from vllm_cluster.cluster.ray_launcher import RayLauncher
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.errors import WorkerDiedError
+from vllm_cluster.engine.outputs import RequestOutput
 
 pytestmark = pytest.mark.slow
 

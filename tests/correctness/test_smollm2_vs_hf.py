@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from vllm_cluster.engine import LLM, SamplingParams
 
 MAX_NEW_TOKENS = 24
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.client import Client
-from cluster.procs import ProcessRef, session_members
-from cluster.state import ClusterState
+from vllm_cluster.cluster.client import Client
+from vllm_cluster.cluster.procs import ProcessRef, session_members
+from vllm_cluster.cluster.state import ClusterState
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ router:
 
 
 def _cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "vllm_cluster.cluster.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s, cwd=Path(__file__).resolve().parents[2])
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.client import Client
-from cluster.state import ClusterState
-from engine import LLM, SamplingParams
+from vllm_cluster.cluster.client import Client
+from vllm_cluster.cluster.state import ClusterState
+from vllm_cluster.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    " * 4, "Once upon
 
 
 def _cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "vllm_cluster.cluster.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s, cwd=Path(__file__).resolve().parents[2])
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cluster.local import LocalCluster
+from vllm_cluster.cluster.local import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "bench", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "vllm_cluster.cluster.cli", "bench", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -97,7 +97,7 @@ def test_sweep(cluster: LocalCluster, tmp_path: Path) -> None:
 
 
 def test_ctrl_c_prints_what_was_measured(cluster: LocalCluster, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "cluster.cli", "bench", "serve", "--address", cluster.router_address,
+    cmd = [sys.executable, "-m", "vllm_cluster.cluster.cli", "bench", "serve", "--address", cluster.router_address,
            "--num-prompts", "200", "--random-input-len", "32", "--random-output-len", "4", "--request-rate", "2",
            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "partial.json"]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -18,12 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.client import Client, ClientError
-from cluster.local import LocalCluster
-from engine import LLM, SamplingParams
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import TOKEN_ENV, make_channel
+from vllm_cluster.cluster.client import Client, ClientError
+from vllm_cluster.cluster.local import LocalCluster
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import TOKEN_ENV, make_channel
 
 pytestmark = pytest.mark.slow
 
@@ -245,7 +245,7 @@ def test_policy_fail_fails_cleanly_without_prefill(cluster: LocalCluster, tmp_pa
     ready = tmp_path / "router.json"
     env = {**os.environ, TOKEN_ENV: cluster.token}
     router = subprocess.Popen(
-        [sys.executable, "-m", "router", "--config", str(config), "--port", "0", "--ready-file", str(ready),
+        [sys.executable, "-m", "vllm_cluster.router", "--config", str(config), "--port", "0", "--ready-file", str(ready),
          "--prefill", "127.0.0.1:9", "--decode", cluster.decode_addresses[0]],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -294,7 +294,7 @@ def test_dead_prefill_leads_to_recompute(cluster: LocalCluster, client: Client, 
 def test_health_and_reflection_on_every_server(cluster: LocalCluster) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from proto.rpc import check_health
+    from vllm_cluster.proto.rpc import check_health
 
     servers = [(cluster.router_address, "vllm_cluster.Generation")]
     servers += [(a, "vllm_cluster.DecodeWorker") for a in cluster.decode_addresses]

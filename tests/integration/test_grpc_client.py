@@ -23,11 +23,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.client import Client, ClientError, Completion
-from cluster.local import LocalCluster
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import API_KEY_ENV, make_channel
+from vllm_cluster.cluster.client import Client, ClientError, Completion
+from vllm_cluster.cluster.local import LocalCluster
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import API_KEY_ENV, make_channel
 
 pytestmark = pytest.mark.slow
 
@@ -217,7 +217,7 @@ def _cli(*args: str, stdin: str = "", api_key: str | None = API_KEY) -> subproce
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     if api_key is not None:
         env[API_KEY_ENV] = api_key
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "vllm_cluster.cluster.cli", *args], input=stdin, capture_output=True,
                           text=True, env=env, timeout=300)
 
 
@@ -247,7 +247,7 @@ def test_chat_without_the_api_key_says_so(cluster: LocalCluster) -> None:
 
 def test_chat_ctrl_c_cancels_the_reply_and_chat_goes_on(cluster: LocalCluster) -> None:
     chat = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "chat", "--address", cluster.router_address, "--api-key", API_KEY,
+        [sys.executable, "-m", "vllm_cluster.cluster.cli", "chat", "--address", cluster.router_address, "--api-key", API_KEY,
          "--temperature", "0", "--max-tokens", "400"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # A shell's background job (CI under `&`) starts with SIGINT ignored, and Python keeps

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.local import LocalCluster
-from engine import LLM, LoRARequest, SamplingParams
-from engine.config import ModelConfig
-from engine.loader import resolve
-from engine.models import ModelArchConfig
 from tests.lora_adapters import write_adapter
+from vllm_cluster.cluster.local import LocalCluster
+from vllm_cluster.engine import LLM, LoRARequest, SamplingParams
+from vllm_cluster.engine.config import ModelConfig
+from vllm_cluster.engine.loader import resolve
+from vllm_cluster.engine.models import ModelArchConfig
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.client import Client, Completion
-from cluster.local import LocalCluster
+from vllm_cluster.cluster.client import Client, Completion
+from vllm_cluster.cluster.local import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.local import LocalCluster
-from engine import LLM, SamplingParams
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import make_channel
+from vllm_cluster.cluster.local import LocalCluster
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import make_channel
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

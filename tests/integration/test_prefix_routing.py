@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.client import Client
-from cluster.local import LocalCluster
-from engine import LLM, SamplingParams
+from vllm_cluster.cluster.client import Client
+from vllm_cluster.cluster.local import LocalCluster
+from vllm_cluster.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 

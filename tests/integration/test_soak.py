@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.local import LocalCluster
-from loadtest.soak import soak
-from proto import cluster_pb2 as pb
-from proto import cluster_pb2_grpc as pb_grpc
-from proto.rpc import make_channel
+from vllm_cluster.cluster.local import LocalCluster
+from vllm_cluster.loadtest.soak import soak
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.proto.rpc import make_channel
 
 pytestmark = pytest.mark.slow
 

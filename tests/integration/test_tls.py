@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.client import Client, ClientError
-from engine.errors import ConfigError
-from router.config import RouterConfig
+from vllm_cluster.cluster.client import Client, ClientError
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.router.config import RouterConfig
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def router(cert: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) ->
     path = out / "router.yaml"
     path.write_text(yaml.safe_dump(config))
     ready = out / "ready.json"
-    process = subprocess.Popen([sys.executable, "-m", "router", "--config", str(path), "--decode", "127.0.0.1:9",
+    process = subprocess.Popen([sys.executable, "-m", "vllm_cluster.router", "--config", str(path), "--decode", "127.0.0.1:9",
                                 "--port", "0", "--http-port", "0", "--ready-file", str(ready)],
                                stdout=subprocess.DEVNULL, stderr=(out / "router.log").open("wb"))
     deadline = time.monotonic() + 120

@@ -20,10 +20,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from engine.quantization.fp8 import quantize_fp8
-from engine.quantization.int8 import quantize_int8
-from kernels import AddNorm, Normed, reference, triton_linear
-from kernels.triton_gemv import gemv_w8, gemv_w8_add_norm
+from vllm_cluster.engine.quantization.fp8 import quantize_fp8
+from vllm_cluster.engine.quantization.int8 import quantize_int8
+from vllm_cluster.kernels import reference, triton_linear
+from vllm_cluster.kernels.dispatch import AddNorm, Normed
+from vllm_cluster.kernels.triton_gemv import gemv_w8, gemv_w8_add_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -127,7 +128,7 @@ def test_two_gemvs_equal_the_norm_between_them(second: str, dtype: torch.dtype) 
 
 
 def test_the_dispatch_finishes_a_normed_x_and_materializes_it_elsewhere() -> None:
-    import kernels
+    from vllm_cluster.kernels import dispatch as kernels
 
     n, k = 24, 64
     dtype = torch.float16
@@ -173,14 +174,14 @@ def test_cuda_llama_8b_shapes(fmt: str, k: int) -> None:
 @pytest.mark.parametrize("tiled", [False, True], ids=["pairs", "tiles"])
 @pytest.mark.parametrize(("k", "config"), [(4096, None), (14336, None), (1024, (1, 1, 3, 2))], ids=["o", "down", "split3"])
 def test_cuda_int4_mma_gemv(tiled: bool, k: int, config: tuple[int, ...] | None) -> None:
-    from kernels.int4_rows import gptq_to_pairs, pairs_to_tiles
-    from kernels.triton_int4_mma_gemv import (
+    from tests.kernels.test_int4_gemv import gptq_tensors
+    from vllm_cluster.kernels.int4_rows import gptq_to_pairs, pairs_to_tiles
+    from vllm_cluster.kernels.triton_int4_mma_gemv import (
         MmaGemvConfig,
         gemv_pairs_mma,
         gemv_pairs_mma_add_norm,
         pick_mma_gemv_config,
     )
-    from tests.kernels.test_int4_gemv import gptq_tensors
 
     n = 4096 if config is None else 336  # 336: a ragged last program; split3: only a tile's last split stores
     t = gptq_tensors(k, n, 128, 1)
@@ -239,11 +240,11 @@ def test_cuda_graph_replays_the_pair() -> None:
 def test_cuda_layers_take_it_and_the_switch_turns_it_off(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """engine/layers/norm.py's add_norm through each linear class, then the class's forward on
     the Normed; with kernels.ADD_NORM_EPILOGUE off, the norm kernel's launch between."""
-    import kernels
-    from engine.layers.linear import Linear
-    from engine.layers.norm import RMSNorm, add_norm
-    from engine.quantization.fp8 import Fp8Linear
-    from engine.quantization.int8 import Int8Linear
+    from vllm_cluster.kernels import dispatch as kernels
+    from vllm_cluster.engine.layers.linear import Linear
+    from vllm_cluster.engine.layers.norm import RMSNorm, add_norm
+    from vllm_cluster.engine.quantization.fp8 import Fp8Linear
+    from vllm_cluster.engine.quantization.int8 import Int8Linear
 
     n, k, dtype = 512, 1024, torch.bfloat16
     dense, dense2 = Linear(k, n, bias=False).to("cuda", dtype), Linear(n, 768, bias=False).to("cuda", dtype)

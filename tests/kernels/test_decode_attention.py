@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_decode_attention
-from kernels.fp8_kv import FP8_KV_DTYPE, quantize
-from kernels.triton_decode_attention import choose_num_splits, decode_attention
+from vllm_cluster.kernels import reference, triton_decode_attention
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE, quantize
+from vllm_cluster.kernels.triton_decode_attention import choose_num_splits, decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

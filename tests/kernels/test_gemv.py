@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quantization.fp8 import quantize_fp8
-from engine.quantization.int4_pack import pack_awq, pack_gptq, quantize_rtn
-from engine.quantization.int8 import quantize_int8
-from kernels import int4_reference, quant_ops, semaphores, triton_int4_gemm
-from kernels.triton_gemv import gemv_w8
-from kernels.triton_int4_gemv import Int4GemvConfig, gemv_int4, pick_gemv_config
+from vllm_cluster.engine.quantization.fp8 import quantize_fp8
+from vllm_cluster.engine.quantization.int4_pack import pack_awq, pack_gptq, quantize_rtn
+from vllm_cluster.engine.quantization.int8 import quantize_int8
+from vllm_cluster.kernels import int4_reference, quant_ops, semaphores, triton_int4_gemm
+from vllm_cluster.kernels.triton_gemv import gemv_w8
+from vllm_cluster.kernels.triton_int4_gemv import Int4GemvConfig, gemv_int4, pick_gemv_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -61,7 +61,7 @@ def test_gemv_w8_matches_reference(fmt: str, dtype: torch.dtype, m: int, n: int,
 def test_gemv_w8_lane_sums_with_silu_mul_and_a_short_k() -> None:
     """Per-thread partial sums with the SiLU epilogue, and a K under 16 (one tile of 8: the
     wrapper keeps row sums there)."""
-    from kernels import triton_ops
+    from vllm_cluster.kernels import triton_ops
 
     for n, k in [(24, 200), (12, 8)]:
         q, scale = quantize_w8("fp8", n, k)
@@ -80,7 +80,7 @@ def test_gemv_w8_silu_mul_equals_silu_and_mul_of_the_gemv(
     """gate_up_proj at batch 1: one launch, the GEMV followed by the Triton silu_and_mul
     kernel (halves rounded to x's dtype, silu rounded, then the product); equal under the
     interpreter, compiled the fp32 sums may be added in another order."""
-    from kernels import triton_ops
+    from vllm_cluster.kernels import triton_ops
 
     q, scale = quantize_w8(fmt, n, k)
     x, bias = randn(1, k, dtype=dtype, seed=5), randn(n, dtype=dtype, seed=6)
@@ -91,7 +91,7 @@ def test_gemv_w8_silu_mul_equals_silu_and_mul_of_the_gemv(
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_w8_linear_silu_mul_dispatch_equals_two_calls(fmt: str) -> None:
-    from kernels import silu_and_mul
+    from vllm_cluster.kernels.dispatch import silu_and_mul
 
     q, scale = quantize_w8(fmt, 32, 64)  # 20 rows take torch._scaled_mm on a GPU: N, K multiples of 16
     linear = quant_ops.int8_linear if fmt == "int8" else quant_ops.fp8_linear

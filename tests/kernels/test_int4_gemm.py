@@ -13,9 +13,9 @@ import functools
 import pytest
 import torch
 
-from engine.quantization.int4_pack import act_order_g_idx, pack_awq, pack_gptq, quantize_rtn
-from kernels import int4_reference
-from kernels.triton_int4_gemm import DEQUANT_MIN_ROWS, Int4GemmConfig, int4_gemm, pick_config
+from vllm_cluster.engine.quantization.int4_pack import act_order_g_idx, pack_awq, pack_gptq, quantize_rtn
+from vllm_cluster.kernels import int4_reference
+from vllm_cluster.kernels.triton_int4_gemm import DEQUANT_MIN_ROWS, Int4GemmConfig, int4_gemm, pick_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

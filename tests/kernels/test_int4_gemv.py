@@ -12,24 +12,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine.quantization.int4_linear import Int4Linear, Int4Spec
-from engine.quantization.int4_pack import (
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.engine.quantization.int4_linear import Int4Linear, Int4Spec
+from vllm_cluster.engine.quantization.int4_pack import (
     act_order_g_idx,
     pack_awq,
     pack_gptq,
     pack_rows,
     quantize_rtn,
 )
-from kernels import int4_reference, int4_rows, semaphores, triton_int4_rows
-from kernels.int4_rows import gptq_to_pairs, gptq_to_rows, rows_layout_fits, rows_to_gptq
-from kernels.triton_int4_rows import (
+from vllm_cluster.kernels import int4_reference, int4_rows, semaphores, triton_int4_rows
+from vllm_cluster.kernels.int4_rows import gptq_to_pairs, gptq_to_rows, rows_layout_fits, rows_to_gptq
+from vllm_cluster.kernels.triton_int4_rows import (
     RowsGemvConfig,
     gemv_rows,
     packed_math,
     pick_rows_config,
 )
-from kernels.triton_int4_rows_dot import int4_gemm_rows
+from vllm_cluster.kernels.triton_int4_rows_dot import int4_gemm_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

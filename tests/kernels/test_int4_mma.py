@@ -17,18 +17,6 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import int4_reference
-from kernels.int4_rows import (
-    gptq_to_pairs,
-    pairs_layout_fits,
-    pairs_to_tiles,
-    tiles_layout_fits,
-    tiles_to_pairs,
-    unpack_pairs_layout,
-)
-from kernels.triton_int4_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
-from kernels.triton_int4_rows import RowsGemvConfig, gemv_rows
 from tests.kernels.test_int4_gemv import (
     DEVICE,
     GEMV_CONFIGS,
@@ -38,6 +26,18 @@ from tests.kernels.test_int4_gemv import (
     randn,
     reference,
 )
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.kernels import int4_reference
+from vllm_cluster.kernels.int4_rows import (
+    gptq_to_pairs,
+    pairs_layout_fits,
+    pairs_to_tiles,
+    tiles_layout_fits,
+    tiles_to_pairs,
+    unpack_pairs_layout,
+)
+from vllm_cluster.kernels.triton_int4_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
+from vllm_cluster.kernels.triton_int4_rows import RowsGemvConfig, gemv_rows
 
 # x and the weights 128 + q are bf16 (exact), products and sums fp32: the result rounds once
 # to x's dtype; bf16's 8 bits give a relative error up to 2^-8 per output.
@@ -186,7 +186,7 @@ def test_int4_mma_other_configs_on_gpu(config: MmaConfig | None, layout: str) ->
     weight = gptq_to_pairs(t["qweight"])
     weight = pairs_to_tiles(weight) if layout == "tiles" else weight
     if config is None:
-        from kernels import triton_int4_mma
+        from vllm_cluster.kernels import triton_int4_mma
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(triton_int4_mma, "ONE_ROW_ON_TL_DOT", True)
@@ -221,7 +221,7 @@ def test_int4_mma_graph_replay_resets_semaphores() -> None:
 _COMPILE = """
 import json, sys
 from benchmarks.kernel_sass import main_loop, sass
-from kernels import triton_int4_mma
+from vllm_cluster.kernels import triton_int4_mma
 fp16 = sys.argv[1] == "1"
 signature = {
     "x_ptr": "*fp16" if fp16 else "*bf16", "halves_ptr": "*i16", "qzeros_ptr": "*i32", "scales_ptr": "*bf16",

@@ -22,19 +22,19 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import int4_reference, triton_int4_mma
-from kernels.int4_mma_ptx import ASM
-from kernels.int4_rows import gptq_to_pairs, pairs_to_tiles, unpack_pairs_layout
-from kernels.triton_int4_mma_gemv import (
+from tests.kernels import ptx_warp
+from tests.kernels.test_int4_gemv import gptq_tensors, randn
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.kernels import int4_reference, triton_int4_mma
+from vllm_cluster.kernels.int4_mma_ptx import ASM
+from vllm_cluster.kernels.int4_rows import gptq_to_pairs, pairs_to_tiles, unpack_pairs_layout
+from vllm_cluster.kernels.triton_int4_mma_gemv import (
     MmaGemvConfig,
     gemv_pairs_mma,
     pick_mma_gemv_config,
     supported,
 )
-from kernels.triton_int4_rows import gemv_rows, pick_rows_config
-from tests.kernels import ptx_warp
-from tests.kernels.test_int4_gemv import gptq_tensors, randn
+from vllm_cluster.kernels.triton_int4_rows import gemv_rows, pick_rows_config
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,7 +43,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import main_loop
-from kernels import int4_mma_ptx, triton_int4_mma_gemv as m
+from vllm_cluster.kernels import int4_mma_ptx, triton_int4_mma_gemv as m
 tiles, unroll, warps, fp16, silu, multi, tiled, k_warps = (int(a) for a in sys.argv[1:9])
 dtype = "*fp16" if fp16 else "*bf16"
 signature = {

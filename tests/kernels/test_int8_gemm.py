@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quantization.int8 import quantize_int8
-from kernels import quant_ops
+from vllm_cluster.engine.quantization.int8 import quantize_int8
+from vllm_cluster.kernels import quant_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: the kernel and the reference sum the same products in another order.
@@ -29,7 +29,7 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 72), (5, 33, 300), (20, 64, 48)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_gemm_matches_reference(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool) -> None:
-    from kernels.triton_int8_gemm import int8_gemm
+    from vllm_cluster.kernels.triton_int8_gemm import int8_gemm
 
     qweight, scale = quantize_int8(randn(n, k, seed=1))
     x = randn(m, k, dtype=dtype, seed=2)
@@ -44,8 +44,8 @@ def test_int8_gemm_matches_reference(dtype: torch.dtype, m: int, n: int, k: int,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_int8_gemm_takes_fp8_weights(dtype: torch.dtype) -> None:
     """FP8's weight-only decode path (up to 16 rows) runs the same tiles on fp8 codes."""
-    from engine.quantization.fp8 import quantize_fp8
-    from kernels.triton_int8_gemm import int8_gemm
+    from vllm_cluster.engine.quantization.fp8 import quantize_fp8
+    from vllm_cluster.kernels.triton_int8_gemm import int8_gemm
 
     qweight, scale = quantize_fp8(randn(33, 300, seed=12))
     x = randn(5, 300, dtype=dtype, seed=13)
@@ -57,7 +57,7 @@ def test_int8_gemm_takes_fp8_weights(dtype: torch.dtype) -> None:
 
 def test_int8_gemm_reads_strided_input() -> None:
     """A column slice of a wider activation (as qkv splits produce) needs no copy."""
-    from kernels.triton_int8_gemm import int8_gemm
+    from vllm_cluster.kernels.triton_int8_gemm import int8_gemm
 
     qweight, scale = quantize_int8(randn(24, 40, seed=4))
     wide = randn(3, 56, seed=5)
@@ -67,7 +67,7 @@ def test_int8_gemm_reads_strided_input() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_per_token_quant_fp8_matches_reference(dtype: torch.dtype) -> None:
-    from kernels.triton_fp8_quant import per_token_quant_fp8
+    from vllm_cluster.kernels.triton_fp8_quant import per_token_quant_fp8
 
     x = randn(6, 50, dtype=dtype, seed=6) * torch.arange(1, 7, device=DEVICE, dtype=dtype)[:, None]
     x[3] = 0  # a padding row: scale floors at MIN_AMAX / 448, values stay 0
@@ -91,7 +91,7 @@ def test_per_token_quant_fp8_matches_reference(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("m", [1, 7, 300])
 def test_fp8_linear_on_cuda_matches_its_cpu_definition(m: int) -> None:
     """torch._scaled_mm with rowwise scales computes what the CPU emulation computes."""
-    from engine.quantization.fp8 import quantize_fp8
+    from vllm_cluster.engine.quantization.fp8 import quantize_fp8
 
     qweight, scale = quantize_fp8(randn(256, 512, seed=7))
     x = randn(m, 512, dtype=torch.bfloat16, seed=8)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import kernels
-from kernels import triton_linear
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.kernels import triton_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,7 +78,7 @@ def test_gemv_silu_mul_equals_silu_and_mul_of_the_gemv(n: int, k: int, bias: boo
     """What the two launches give: the halves rounded to x's dtype, silu rounded, then the
     product (the Triton silu_and_mul kernel's sequence). Equal under the interpreter; compiled,
     the fp32 row sums may be added in another order (another tile layout), hence a tolerance."""
-    from kernels import triton_ops
+    from vllm_cluster.kernels import triton_ops
 
     x, w, b = _case(n, k, dtype, bias, seed=3)
     fused = triton_linear.gemv(x, w, b, silu_mul=True)

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import lora
+from vllm_cluster.kernels import lora
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -34,7 +34,7 @@ def test_shrink_expand_match_reference(dtype: torch.dtype, path: str) -> None:
     impl: ModuleType = lora
     if path == "triton":
         pytest.importorskip("triton")
-        from kernels import triton_lora
+        from vllm_cluster.kernels import triton_lora
 
         impl = triton_lora
     device = DEVICE if path == "triton" else "cpu"
@@ -104,7 +104,7 @@ def _block_inputs(slots: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, .
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
 def test_token_blocks_match_reference(dtype: torch.dtype, pattern: str) -> None:
     pytest.importorskip("triton")
-    from kernels import triton_lora
+    from vllm_cluster.kernels import triton_lora
 
     x, a, b, y = _block_inputs(SLOT_PATTERNS[pattern], dtype)
     slots = torch.tensor(SLOT_PATTERNS[pattern], device=DEVICE)
@@ -126,7 +126,7 @@ def test_token_blocks_match_reference(dtype: torch.dtype, pattern: str) -> None:
 def test_default_tiles_past_one_block() -> None:
     # 70 tokens: blocks of 64 (the prefill tiles), the second one mixed and mostly past T.
     pytest.importorskip("triton")
-    from kernels import triton_lora
+    from vllm_cluster.kernels import triton_lora
 
     pattern = [1] * 40 + [-1] * 20 + [0] * 10
     x, a, b, y = _block_inputs(pattern, torch.float32)
@@ -143,7 +143,7 @@ def test_default_tiles_past_one_block() -> None:
 @pytest.mark.parametrize("num_tokens, k", [(8, 2048), (1024, 2048), (1024, 8192), (70, 40)])
 def test_shrink_tiles_cover_k(num_tokens: int, k: int) -> None:
     pytest.importorskip("triton")
-    from kernels.triton_lora import shrink_tiles
+    from vllm_cluster.kernels.triton_lora import shrink_tiles
 
     tiles = shrink_tiles(num_tokens, k)
     assert tiles.k_per_split % tiles.block_k == 0 and tiles.block_t >= 16
@@ -180,7 +180,7 @@ def _fused_reference(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: t
 @pytest.mark.parametrize("fused", FUSED_PARTS)
 def test_fused_parts_match_reference(dtype: torch.dtype, pattern: str, fused: str) -> None:
     pytest.importorskip("triton")
-    from kernels import triton_lora
+    from vllm_cluster.kernels import triton_lora
 
     part_sizes, slot_list = FUSED_PARTS[fused], SLOT_PATTERNS[pattern]
     x, a, b, y = _fused_inputs(slot_list, part_sizes, dtype)

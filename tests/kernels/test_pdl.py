@@ -20,13 +20,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
-from engine.quantization.fp8 import quantize_fp8
-from engine.quantization.int4_pack import pack_gptq, quantize_rtn
-from kernels import pdl
-from kernels.int4_rows import gptq_to_pairs, gptq_to_rows
-from kernels.quant_ops import fp8_linear
-from kernels.triton_int4_mma import int4_mma, pick_mma_config
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.engine.quantization.fp8 import quantize_fp8
+from vllm_cluster.engine.quantization.int4_pack import pack_gptq, quantize_rtn
+from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.int4_rows import gptq_to_pairs, gptq_to_rows
+from vllm_cluster.kernels.quant_ops import fp8_linear
+from vllm_cluster.kernels.triton_int4_mma import int4_mma, pick_mma_config
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),

@@ -14,14 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.fp8_kv import FP8_KV_DTYPE
-from kernels.triton_prefill_attention import (
+from tests.kernels.test_decode_attention import fp8_scales, to_fp8
+from vllm_cluster.kernels import reference
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.triton_prefill_attention import (
     PrefillTileConfig,
     default_tile_config,
     prefill_attention,
 )
-from tests.kernels.test_decode_attention import fp8_scales, to_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -15,12 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference, triton_decode_attention
-from kernels.fp8_kv import FP8_KV_DTYPE
-from kernels.metadata import AttentionMetadata
-from kernels.torch_ops import make_plan
-from kernels.triton_decode_attention import rotary_decode_attention
 from tests.kernels.test_decode_attention import (
     ATOL,
     DEVICE,
@@ -30,6 +24,12 @@ from tests.kernels.test_decode_attention import (
     to_fp8,
 )
 from tests.kernels.test_triton_ops import fused_qkv, llama3_tables
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.kernels import reference, triton_decode_attention
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.metadata import AttentionMetadata
+from vllm_cluster.kernels.torch_ops import make_plan
+from vllm_cluster.kernels.triton_decode_attention import rotary_decode_attention
 
 
 def new_tokens(

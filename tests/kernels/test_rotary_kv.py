@@ -12,10 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference, triton_ops
-from kernels.fp8_kv import FP8_KV_DTYPE
-from kernels.triton_rotary_kv import rotary_write_kv_cache
 from tests.kernels.test_triton_ops import (
     CPU_DTYPES,
     DEVICE,
@@ -25,6 +21,10 @@ from tests.kernels.test_triton_ops import (
     llama3_tables,
     randn,
 )
+from vllm_cluster.kernels import dispatch as kernels
+from vllm_cluster.kernels import reference, triton_ops
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.triton_rotary_kv import rotary_write_kv_cache
 
 
 def check(

@@ -13,9 +13,10 @@ import itertools
 import pytest
 import torch
 
-from kernels import AttentionMetadata, reference, torch_ops
-from kernels.fp8_kv import FP8_KV_DTYPE
-from kernels.torch_ops import make_plan
+from vllm_cluster.kernels import reference, torch_ops
+from vllm_cluster.kernels.dispatch import AttentionMetadata
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.torch_ops import make_plan
 
 Q_LENS = [9, 6, 1, 1]
 SEQ_LENS = [9, 14, 7, 12]  # the second row's first 8 tokens, and the decode rows', are cached

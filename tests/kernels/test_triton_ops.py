@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.rotary import RotaryEmbedding
-from kernels import reference, triton_ops
-from kernels.fp8_kv import FP8_KV_DTYPE, FP8_MAX
+from vllm_cluster.engine.layers.rotary import RotaryEmbedding
+from vllm_cluster.kernels import reference, triton_ops
+from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE, FP8_MAX
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine.block_hash import BlockHash, hash_block_tokens
-from engine.block_pool import BlockId, BlockPool
-from kv_index import BlockEventPublisher, EmbeddedRedis, PrefixIndex, start_embedded_redis
+from vllm_cluster.engine.block_hash import BlockHash, hash_block_tokens
+from vllm_cluster.engine.block_pool import BlockId, BlockPool
+from vllm_cluster.kv_index import BlockEventPublisher, EmbeddedRedis, PrefixIndex, start_embedded_redis
 
 MODEL = "test-model"
 BLOCK_SIZE = 4

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from engine.block_hash import BLOCK_HASH_BYTES, BlockHash, hash_block_tokens
-from kv_index import BlockEventPublisher, EmbeddedRedis, PrefixIndex, start_embedded_redis
-from kv_index.schema import BLOCK_HASH_BYTES as INDEX_HASH_BYTES
-from kv_index.schema import IndexKeys
+from vllm_cluster.engine.block_hash import BLOCK_HASH_BYTES, BlockHash, hash_block_tokens
+from vllm_cluster.kv_index import BlockEventPublisher, EmbeddedRedis, PrefixIndex, start_embedded_redis
+from vllm_cluster.kv_index.schema import BLOCK_HASH_BYTES as INDEX_HASH_BYTES
+from vllm_cluster.kv_index.schema import IndexKeys
 
 MODEL = "test-model"
 KEYS = IndexKeys(MODEL)
@@ -72,7 +72,7 @@ def publishers(server: EmbeddedRedis) -> Iterator[Callable[..., BlockEventPublis
 
 _PUBLISHER_SCRIPT = """
 import sys, time
-from kv_index import BlockEventPublisher
+from vllm_cluster.kv_index import BlockEventPublisher
 url, model, instance_id, held_hex, ttl_s = sys.argv[1:6]
 held = [bytes.fromhex(h) for h in held_hex.split(",")]
 pub = BlockEventPublisher(url, model, instance_id, lambda: held, heartbeat_ttl_s=float(ttl_s))

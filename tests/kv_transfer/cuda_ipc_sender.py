@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from kv_transfer import make_sender
-from kv_transfer.base import KVLayout, TransferStatus
 from tests.kv_transfer.caches import MODEL, random_caches
+from vllm_cluster.kv_transfer import make_sender
+from vllm_cluster.kv_transfer.base import KVLayout, TransferStatus
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
-from kv_transfer import KVLayout, TransferStatus, make_sender
 from tests.kv_transfer.caches import MODEL, random_caches
+from vllm_cluster.kv_transfer import KVLayout, TransferStatus, make_sender
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transfer import KVLayout, TransferStatus, make_receiver, make_sender
 from tests.kv_transfer.caches import MODEL, random_caches, zero_caches
+from vllm_cluster.kv_transfer import KVLayout, TransferStatus, make_receiver, make_sender
 
 TIMEOUT_S = 10.0
 
@@ -208,7 +208,7 @@ def test_sender_of_another_cluster_is_refused(
     backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The receiver takes KV only from senders carrying its cluster token."""
-    from proto.rpc import TOKEN_ENV
+    from vllm_cluster.proto.rpc import TOKEN_ENV
 
     monkeypatch.setenv(TOKEN_ENV, "our-cluster")
     src = random_caches(seed=1)
@@ -237,7 +237,7 @@ def test_sender_of_another_cluster_is_refused(
 def test_corrupted_chunk_fails_the_transfer(backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk whose bytes change on the wire (injected) is caught by its CRC-32: the
     receiver fails the transfer, so decode never serves those blocks."""
-    from kv_transfer import faults
+    from vllm_cluster.kv_transfer import faults
 
     src, dst, sender, receiver = open_pair(backend, closing)
     monkeypatch.setattr(faults, "_state", None)  # restored after the test
@@ -255,7 +255,7 @@ def test_corrupted_chunk_fails_the_transfer(backend: str, closing: list[Any], mo
 
 
 def test_dropped_chunk_leaves_the_transfer_pending(backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from kv_transfer import faults
+    from vllm_cluster.kv_transfer import faults
 
     src, dst, sender, receiver = open_pair(backend, closing)
     monkeypatch.setattr(faults, "_state", None)  # restored after the test
@@ -268,7 +268,7 @@ def test_dropped_chunk_leaves_the_transfer_pending(backend: str, closing: list[A
 
 
 def test_fault_spec_is_validated() -> None:
-    from kv_transfer.faults import Faults
+    from vllm_cluster.kv_transfer.faults import Faults
 
     assert Faults.parse("corrupt=0.5, drop=0.1,delay_ms=5,seed=3") == Faults(0.5, 0.1, 5.0, 3)
     with pytest.raises(ValueError, match="unknown fault 'flip'"):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_transfer.base import KVLayout, TransferStatus
 from tests.kv_transfer.caches import MODEL, random_caches, zero_caches
+from vllm_cluster.kv_transfer.base import KVLayout, TransferStatus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ def _send(endpoint: str, transfer_id: str, block_size: int = 4, device: str = "c
 
 
 def test_blocks_land_exactly_and_mismatch_is_named() -> None:
-    from kv_transfer.cuda_ipc import CudaIpcReceiver
+    from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcReceiver
 
     source = random_caches(seed=1)
     caches = [c.cuda() for c in zero_caches(source)]
@@ -56,7 +56,7 @@ def test_blocks_land_exactly_and_mismatch_is_named() -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between processes needs two GPUs")
 def test_nccl_between_two_gpus() -> None:
-    from kv_transfer.torch_dist import TorchDistReceiver
+    from vllm_cluster.kv_transfer.torch_dist import TorchDistReceiver
 
     source = random_caches(seed=1)
     caches = [c.to("cuda:0") for c in zero_caches(source)]

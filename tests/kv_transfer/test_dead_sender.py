@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transfer import KVLayout, TransferStatus, make_receiver, make_sender
 from tests.kv_transfer.caches import MODEL, random_caches, zero_caches
+from vllm_cluster.kv_transfer import KVLayout, TransferStatus, make_receiver, make_sender
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

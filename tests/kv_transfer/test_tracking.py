@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from kv_transfer import KVLayout, KVLayoutMismatch, KVTransferError, TransferStatus, make_sender
-from kv_transfer.base import Segment, pack_frames, split_segments, unpack_frame
-from kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
-from proto import kv_transfer_pb2
 from tests.kv_transfer.caches import MODEL, random_caches, zero_caches
+from vllm_cluster.kv_transfer import KVLayout, KVLayoutMismatch, KVTransferError, TransferStatus, make_sender
+from vllm_cluster.kv_transfer.base import Segment, pack_frames, split_segments, unpack_frame
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.proto import kv_transfer_pb2
 
 
 def header(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from router.admission import AdmissionQueue
+from vllm_cluster.router.admission import AdmissionQueue
 
 
 def test_bound_and_count() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import _argmax_chunks, argmax_rows, chunked_argmax
+from vllm_cluster.engine.sampler import _argmax_chunks, argmax_rows, chunked_argmax
 
 
 @pytest.mark.parametrize("chunks", [4, 16, 64])

@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.async_stepper import AsyncStepper
-from engine.config import EngineConfig, SchedulerConfig
-from engine.device_tokens import DeviceTokens
-from engine.errors import ConfigError
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestId
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, Scheduler
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from vllm_cluster.engine.async_stepper import AsyncStepper
+from vllm_cluster.engine.config import EngineConfig, SchedulerConfig
+from vllm_cluster.engine.device_tokens import DeviceTokens
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.engine.kv_cache_manager import KVCacheManager
+from vllm_cluster.engine.request import Request, RequestId
+from vllm_cluster.engine.sampler import Sampler
+from vllm_cluster.engine.sampling_params import SamplingParams
+from vllm_cluster.engine.scheduler import RequestUpdate, Scheduler
+from vllm_cluster.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 VOCAB = 64
 BLOCK_SIZE = 4

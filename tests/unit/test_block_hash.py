@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.block_hash import BLOCK_HASH_BYTES, hash_block, hash_block_tokens
-from engine.request import Request, RequestId
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine.block_hash import BLOCK_HASH_BYTES, hash_block, hash_block_tokens
+from vllm_cluster.engine.request import Request, RequestId
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 
 def test_same_tokens_and_parent_give_the_same_hash() -> None:

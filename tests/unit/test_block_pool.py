@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import BlockHash, hash_block_tokens
-from engine.block_pool import BlockId, BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestId
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine.block_hash import BlockHash, hash_block_tokens
+from vllm_cluster.engine.block_pool import BlockId, BlockPool
+from vllm_cluster.engine.kv_cache_manager import KVCacheManager
+from vllm_cluster.engine.request import Request, RequestId
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 
 def _hashes(n: int) -> list[BlockHash]:

@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import main
-from cluster.config_file import load_deployment
-from cluster.layout import (
+from vllm_cluster.cluster.cli import main
+from vllm_cluster.cluster.config_file import load_deployment
+from vllm_cluster.cluster.layout import (
     Resources,
     check_engine_roles,
     check_layout,
     check_ports_free,
     listen_ports,
 )
-from cluster.procs import ProcessRef
-from cluster.state import ClusterState, ProcessRecord
-from engine.config import EngineConfig
-from engine.errors import ConfigError
-from router.config import RouterConfig
+from vllm_cluster.cluster.procs import ProcessRef
+from vllm_cluster.cluster.state import ClusterState, ProcessRecord
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.router.config import RouterConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = """\

@@ -11,15 +11,19 @@ from typing import Any
 import pytest
 import yaml
 
-import decode_service.__main__ as decode_main
-import prefill_service.__main__ as prefill_main
-import router.__main__ as router_main
-from cluster.cli import main as cli_main
-from cluster.config_file import load_deployment
-from cluster.instance import worker_command
+import vllm_cluster.decode_service.__main__ as decode_main
+import vllm_cluster.prefill_service.__main__ as prefill_main
+import vllm_cluster.router.__main__ as router_main
+from vllm_cluster.cluster.cli import main as cli_main
+from vllm_cluster.cluster.config_file import load_deployment
+from vllm_cluster.cluster.instance import worker_command
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICE_MAINS = {"prefill_service": prefill_main.main, "decode_service": decode_main.main, "router": router_main.main}
+SERVICE_MAINS = {
+    "vllm_cluster.prefill_service": prefill_main.main,
+    "vllm_cluster.decode_service": decode_main.main,
+    "vllm_cluster.router": router_main.main,
+}
 
 
 class _Parsed(Exception):
@@ -90,7 +94,7 @@ def test_every_command_is_one_the_parsers_accept(parse: Any, tmp_path: Path) -> 
         args.config = str(ROOT / "configs" / Path(args.config).name)  # /app/configs in the image
         args.resolved_config = tmp_path / f"{name}.yaml"
         argv = worker_command(args)
-        assert argv[1:3] == ["-m", f"{args.role}_service"]
+        assert argv[1:3] == ["-m", f"vllm_cluster.{args.role}_service"]
         worker = parse(SERVICE_MAINS[argv[2]], argv[3:])
         assert worker.name == name
         assert worker.kv_host == service["networks"]["kv"]["ipv4_address"]
@@ -99,7 +103,7 @@ def test_every_command_is_one_the_parsers_accept(parse: Any, tmp_path: Path) -> 
         assert health.command == "health" and health.address == f"127.0.0.1:{worker.port}"
         worker_addresses[args.role].append(f"{name}:{worker.port}")
     router = services["router"]["command"]
-    assert router[:3] == ["python", "-m", "router"]
+    assert router[:3] == ["python", "-m", "vllm_cluster.router"]
     args = parse(router_main.main, router[3:])
     assert args.prefill == worker_addresses["prefill"] and args.decode == worker_addresses["decode"]
     health = _health(parse, services["router"])

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.errors import ConfigError
 
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
@@ -160,7 +160,7 @@ def test_with_overrides_validates() -> None:
 def test_kv_cache_dtype_values_and_what_they_resolve_to(name: str) -> None:
     import torch
 
-    from engine.resolve import resolve_kv_cache_dtype
+    from vllm_cluster.engine.resolve import resolve_kv_cache_dtype
 
     config = EngineConfig.from_kwargs("smollm2-135m-instruct", kv_cache_dtype=name)  # LLM(..., kv_cache_dtype=)
     assert config.cache.kv_cache_dtype == name

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from engine import LLM
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine import LLM
+from vllm_cluster.engine.detokenizer import IncrementalDetokenizer
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from engine.errors import ModelLoadError
-from engine.loader import gguf_file
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.loader import gguf_file
 
 
 def _write(path: Path, value: int) -> None:

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine.errors import ModelLoadError
-from engine.quantization.awq import AwqMethod, awq_spec
-from engine.quantization.gptq import GptqMethod, gptq_spec
-from engine.quantization.int4_linear import Int4Linear, Int4Spec
-from engine.quantization.int4_pack import (
+from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.quantization.awq import AwqMethod, awq_spec
+from vllm_cluster.engine.quantization.gptq import GptqMethod, gptq_spec
+from vllm_cluster.engine.quantization.int4_linear import Int4Linear, Int4Spec
+from vllm_cluster.engine.quantization.int4_pack import (
     Int4Weights,
     act_order_g_idx,
     pack_awq,
@@ -22,7 +22,7 @@ from engine.quantization.int4_pack import (
     pack_rows,
     quantize_rtn,
 )
-from kernels.int4_reference import dequantize, int4_gemm
+from vllm_cluster.kernels.int4_reference import dequantize, int4_gemm
 
 
 def word(value: int) -> int:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestId
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine.kv_cache_manager import KVCacheManager
+from vllm_cluster.engine.request import Request, RequestId
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

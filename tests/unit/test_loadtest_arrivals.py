@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.arrivals import arrival_offsets, trace_offsets
-from loadtest.datasets import SampleRequest
+from vllm_cluster.loadtest.arrivals import arrival_offsets, trace_offsets
+from vllm_cluster.loadtest.datasets import SampleRequest
 
 N = 20000
 RATE = 8.0

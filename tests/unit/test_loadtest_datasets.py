@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from engine.loader import bundled_model_path
-from engine.tokenizer import load_tokenizer
-from loadtest.datasets import (
+from vllm_cluster.engine.loader import bundled_model_path
+from vllm_cluster.engine.tokenizer import load_tokenizer
+from vllm_cluster.loadtest.datasets import (
     DatasetError,
     SampleRequest,
     allowed_token_ids,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.metrics import (
+from vllm_cluster.loadtest.metrics import (
     RequestResult,
     format_table,
     in_flight_steps,
@@ -17,7 +17,7 @@ from loadtest.metrics import (
     token_times_s,
     tpot_s,
 )
-from loadtest.plots import plot_run, plot_sweep
+from vllm_cluster.loadtest.plots import plot_run, plot_sweep
 
 VLLM_KEYS = [
     "duration", "completed", "failed", "num_prompts", "total_input_tokens",

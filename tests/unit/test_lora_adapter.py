@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.lora import LoRAAdapterError, load_adapter
-from engine.models import ModelArchConfig
 from tests.lora_adapters import write_adapter
+from vllm_cluster.engine.lora import LoRAAdapterError, load_adapter
+from vllm_cluster.engine.models import ModelArchConfig
 
 ARCH = ModelArchConfig.from_hf_dict({
     "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,

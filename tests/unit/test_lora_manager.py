@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, InvalidRequestError, LoRARequest, SamplingParams
-from engine.request import RequestId
 from tests.lora_adapters import write_adapter
+from vllm_cluster.engine import LLM, InvalidRequestError, LoRARequest, SamplingParams
+from vllm_cluster.engine.request import RequestId
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from proto import cluster_pb2 as pb
-from router.policy import InstanceLoad, PrefixWeights, prefix_aware, rank
-from router.registry import Instance
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.router.policy import InstanceLoad, PrefixWeights, prefix_aware, rank
+from vllm_cluster.router.registry import Instance
 
 
 def test_resident_adapter_wins_a_tie() -> None:

@@ -14,11 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
-from engine.engine_loop import EngineLoop
-from engine.scheduler import SampledToken
-from metrics import InstanceMetrics, RouterMetrics
-from proto import cluster_pb2 as pb
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.scheduler import SampledToken
+from vllm_cluster.metrics import InstanceMetrics, RouterMetrics
+from vllm_cluster.proto import cluster_pb2 as pb
 
 DASHBOARD = Path(__file__).parents[2] / "configs" / "grafana-dashboard.json"
 PROMPT = list(range(1000, 1040))  # 2 full blocks of 16 and 8 tokens

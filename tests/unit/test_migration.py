@@ -3,10 +3,10 @@ with its limits reduced; text a lost instance held back is recovered exactly."""
 
 from __future__ import annotations
 
-from engine.loader import bundled_model_path
-from engine.tokenizer import load_tokenizer
-from proto import cluster_pb2 as pb
-from router.migration import Progress, continuation, held_back_text, remaining_tokens
+from vllm_cluster.engine.loader import bundled_model_path
+from vllm_cluster.engine.tokenizer import load_tokenizer
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.router.migration import Progress, continuation, held_back_text, remaining_tokens
 
 
 def _request(**sampling: object) -> pb.WorkerRequest:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from engine.errors import ConfigError, ModelLoadError
-from engine.loader.presets import PRESETS
-from engine.models import CausalLM, ModelArchConfig
-from engine.models.mixtral import SparseMoeBlock, route
-from engine.parallel.expert import expert_range, moe_blocks, shard_experts
+from vllm_cluster.engine.errors import ConfigError, ModelLoadError
+from vllm_cluster.engine.loader.presets import PRESETS
+from vllm_cluster.engine.models import CausalLM, ModelArchConfig
+from vllm_cluster.engine.models.mixtral import SparseMoeBlock, route
+from vllm_cluster.engine.parallel.expert import expert_range, moe_blocks, shard_experts
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K = 16, 24, 8, 2
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config_file import load_deployment
-from cluster.layout import Resources, check_engine_roles, check_layout
-from engine.config import EngineConfig, ParallelConfig
-from engine.errors import ConfigError
-from engine.loader.presets import PRESETS
-from engine.models import ModelArchConfig
-from engine.parallel import ProcessLauncher, check_model
-from engine.parallel.launch import make_launcher
+from vllm_cluster.cluster.config_file import load_deployment
+from vllm_cluster.cluster.layout import Resources, check_engine_roles, check_layout
+from vllm_cluster.engine.config import EngineConfig, ParallelConfig
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.engine.loader.presets import PRESETS
+from vllm_cluster.engine.models import ModelArchConfig
+from vllm_cluster.engine.parallel import ProcessLauncher, check_model
+from vllm_cluster.engine.parallel.launch import make_launcher
 
 MIXTRAL = ModelArchConfig.from_hf_dict(PRESETS["mixtral-tiny"])  # 8 experts, 4 heads, 2 KV heads
 LLAMA = ModelArchConfig.from_hf_dict(PRESETS["llama-3.2-1b"])

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from engine.block_pool import BlockId
-from engine.config import EngineConfig
-from engine.errors import ConfigError, WorkerDiedError
-from engine.loader import ModelSource, load_model
-from engine.models import ModelArchConfig
-from engine.parallel.executor import ParallelExecutor
-from engine.parallel.launch import WorkerExit, WorkerSpec
-from engine.parallel.messages import (
+from vllm_cluster.engine.block_pool import BlockId
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.errors import ConfigError, WorkerDiedError
+from vllm_cluster.engine.loader import ModelSource, load_model
+from vllm_cluster.engine.models import ModelArchConfig
+from vllm_cluster.engine.parallel.executor import ParallelExecutor
+from vllm_cluster.engine.parallel.launch import WorkerExit, WorkerSpec
+from vllm_cluster.engine.parallel.messages import (
     KVCacheInit,
     decode_init,
     decode_step,
@@ -25,10 +25,10 @@ from engine.parallel.messages import (
     encode_step,
     kv_cache_dtype_of,
 )
-from engine.parallel.pipeline import split_micro_batches
-from engine.parallel.topology import Topology, check_model, kv_heads_of
-from engine.request import RequestId
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from vllm_cluster.engine.parallel.pipeline import split_micro_batches
+from vllm_cluster.engine.parallel.topology import Topology, check_model, kv_heads_of
+from vllm_cluster.engine.request import RequestId
+from vllm_cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 SMOLLM2 = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

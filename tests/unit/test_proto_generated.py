@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_generated_code_is_fresh() -> None:
     pytest.importorskip("grpc_tools")
     result = subprocess.run(
-        [sys.executable, "-m", "proto.generate", "--check"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "vllm_cluster.proto.generate", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
 
 
 def test_roundtrip_of_sampling_params() -> None:
-    from engine import SamplingParams
-    from proto.convert import sampling_params_from_proto, sampling_params_to_proto
+    from vllm_cluster.engine import SamplingParams
+    from vllm_cluster.proto.convert import sampling_params_from_proto, sampling_params_to_proto
 
     for params in (
         SamplingParams(),

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, ConfigError, EngineConfig, ModelLoadError, SamplingParams
-from engine.quantization import METHOD_NAMES, get_method, select_method
-from engine.quantization.fp8 import Fp8Linear, dequantize_fp8, quantize_fp8
-from engine.quantization.int8 import Int8Linear, dequantize_int8, quantize_int8
-from kernels import quant_ops
+from vllm_cluster.engine import LLM, ConfigError, EngineConfig, ModelLoadError, SamplingParams
+from vllm_cluster.engine.quantization import METHOD_NAMES, get_method, select_method
+from vllm_cluster.engine.quantization.fp8 import Fp8Linear, dequantize_fp8, quantize_fp8
+from vllm_cluster.engine.quantization.int8 import Int8Linear, dequantize_int8, quantize_int8
+from vllm_cluster.kernels import quant_ops
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import ConfigError
-from router.config import RouterConfig
-from router.handoff import Handoff, HandoffState, InvalidTransition
-from router.policy import (
+from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.router.handoff import Handoff, HandoffState, InvalidTransition
+from vllm_cluster.router.policy import (
     InstanceLoad,
     PrefixWeights,
     least_loaded,

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.request import Request, RequestId
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine.request import Request, RequestId
+from vllm_cluster.engine.sampler import Sampler
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 EOS = 7
 VOCAB = 50

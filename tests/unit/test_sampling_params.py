@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from vllm_cluster.engine.errors import InvalidRequestError
+from vllm_cluster.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestId, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, SampledToken, Scheduler
-from engine.scheduler_output import SchedulerOutput
+from vllm_cluster.engine.config import SchedulerConfig
+from vllm_cluster.engine.kv_cache_manager import KVCacheManager
+from vllm_cluster.engine.request import Request, RequestId, RequestStatus
+from vllm_cluster.engine.sampling_params import SamplingParams
+from vllm_cluster.engine.scheduler import RequestUpdate, SampledToken, Scheduler
+from vllm_cluster.engine.scheduler_output import SchedulerOutput
 
 BLOCK_SIZE = 4
 TOKEN = 7

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import torch_ops
-from kernels.metadata import AttentionMetadata
+from vllm_cluster.kernels import torch_ops
+from vllm_cluster.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AddNorm",
@@ -53,13 +53,13 @@ def paged_attention(
     if not query.is_cuda:
         return torch_ops.paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
     if meta.is_decode_only:
-        from kernels.triton_decode_attention import decode_attention
+        from vllm_cluster.kernels.triton_decode_attention import decode_attention
 
         return decode_attention(
             query, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len,
             k_scale=k_scale, v_scale=v_scale,
         )
-    from kernels.triton_prefill_attention import prefill_attention
+    from vllm_cluster.kernels.triton_prefill_attention import prefill_attention
 
     return prefill_attention(
         query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
@@ -85,7 +85,7 @@ def rotary_paged_attention(
     and caches the new token itself: kernels/triton_decode_attention.py); on CUDA query and
     key may be rotated in place (their storage overwritten)."""
     if query.is_cuda and meta.is_decode_only:
-        from kernels.triton_decode_attention import rotary_decode_attention
+        from vllm_cluster.kernels.triton_decode_attention import rotary_decode_attention
 
         return rotary_decode_attention(
             query, key, value, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
@@ -107,7 +107,7 @@ def write_kv_cache(
     them; slot -1 writes nothing."""
     if not key.is_cuda:
         return torch_ops.write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
-    from kernels import triton_ops
+    from vllm_cluster.kernels import triton_ops
 
     triton_ops.write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
@@ -118,7 +118,7 @@ def fused_add_rms_norm(
     """(weight * rms_norm(x + residual), x + residual); x: [T, D]."""
     if not x.is_cuda:
         return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
-    from kernels import triton_ops
+    from vllm_cluster.kernels import triton_ops
 
     return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
 
@@ -180,7 +180,7 @@ def rotary_embedding(
     """Rotate-half rotary; q: [T, Hq, D], k: [T, Hkv, D], cos/sin: [T, D/2] fp32."""
     if not q.is_cuda:
         return torch_ops.rotary_embedding(q, k, cos, sin)
-    from kernels import triton_ops
+    from vllm_cluster.kernels import triton_ops
 
     return triton_ops.rotary_embedding(q, k, cos, sin)
 
@@ -203,7 +203,7 @@ def rotary_write_kv_cache(
         q, k = rotary_embedding(q, k, cos, sin)
         write_kv_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
         return q, k
-    from kernels import triton_rotary_kv
+    from vllm_cluster.kernels import triton_rotary_kv
 
     return triton_rotary_kv.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale)
 
@@ -212,7 +212,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
     if not x.is_cuda:
         return torch_ops.silu_and_mul(x)
-    from kernels import triton_ops
+    from vllm_cluster.kernels import triton_ops
 
     return triton_ops.silu_and_mul(x)
 
@@ -226,7 +226,7 @@ def linear(x: torch.Tensor | Normed, weight: torch.Tensor, bias: torch.Tensor | 
             return _gemv_normed(x, weight, bias, silu_mul=False)
         x = x.materialize()
     if _takes_gemv(x, weight):
-        from kernels import triton_linear
+        from vllm_cluster.kernels import triton_linear
 
         return triton_linear.gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
@@ -243,7 +243,7 @@ def linear_silu_mul(
             return _gemv_normed(x, weight, bias, silu_mul=True)
         x = x.materialize()
     if _takes_gemv(x, weight):
-        from kernels import triton_linear
+        from vllm_cluster.kernels import triton_linear
 
         return triton_linear.gemv(x, weight, bias, silu_mul=True)
     return silu_and_mul(linear(x, weight, bias))
@@ -256,7 +256,7 @@ def linear_add_norm(
     add_norm has a slot, the normed half is a `Normed` for the GEMV after to finish
     (kernels/triton_add_norm.py)."""
     if _takes_gemv(x, weight) and add_norm.in_epilogue(x):
-        from kernels import triton_linear
+        from vllm_cluster.kernels import triton_linear
 
         hg, h = triton_linear.gemv_add_norm(x, weight, bias, add_norm)
         return add_norm.deferred(hg), h
@@ -265,7 +265,7 @@ def linear_add_norm(
 
 def _gemv_normed(x: Normed, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
     """The bf16 GEMV of x.hg finishing x's norm (kernels/triton_add_norm.py)."""
-    from kernels import triton_linear
+    from vllm_cluster.kernels import triton_linear
 
     return triton_linear.gemv(x.hg, weight, bias, silu_mul=silu_mul, rms=x)
 
@@ -302,10 +302,10 @@ def int4_gemm(
     if layout in ("rows", "pairs", "tiles"):
         assert g_idx is None, "act-order weights keep GPTQ's layout"
         if not x.is_cuda:
-            from kernels import int4_reference
+            from vllm_cluster.kernels import int4_reference
 
             return int4_reference.int4_gemm(x, qweight, qzeros, scales, None, group_size, layout, zero_offset)
-        from kernels import triton_int4_gemm, triton_int4_mma, triton_int4_rows_dot
+        from vllm_cluster.kernels import triton_int4_gemm, triton_int4_mma, triton_int4_rows_dot
 
         num_sms = triton_int4_gemm._num_sms(x.device)
         if layout in ("pairs", "tiles"):
@@ -314,10 +314,10 @@ def int4_gemm(
             )
         return triton_int4_rows_dot.int4_gemm_rows(x, qweight, qzeros, scales, group_size, zero_offset, num_sms)
     if not x.is_cuda:
-        from kernels import int4_reference
+        from vllm_cluster.kernels import int4_reference
 
         return int4_reference.int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset)
-    from kernels import triton_int4_gemm
+    from vllm_cluster.kernels import triton_int4_gemm
 
     return triton_int4_gemm.int4_gemm(x, qweight, qzeros, scales, g_idx, group_size, layout, zero_offset)
 
@@ -336,7 +336,7 @@ def int4_gemm_add_norm(
     """`add_norm.after(int4_gemm(...))`: (normed, h); on the pairs and tiles layouts at one row
     on CUDA the MMA GEMV does the first half of the norm (kernels/triton_add_norm.py)."""
     if layout in ("pairs", "tiles") and g_idx is None and add_norm.in_epilogue(x):
-        from kernels import triton_int4_gemm, triton_int4_mma
+        from vllm_cluster.kernels import triton_int4_gemm, triton_int4_mma
 
         num_sms = triton_int4_gemm._num_sms(x.device)
         out = triton_int4_mma.int4_gemm_pairs_add_norm(
@@ -362,7 +362,7 @@ def int4_gemm_normed(
     """`int4_gemm(x.materialize(), ...)`; on the pairs and tiles layouts on CUDA the MMA GEMV
     finishes the norm itself where it takes the row (kernels/triton_add_norm.py)."""
     if layout in ("pairs", "tiles") and g_idx is None and x.hg.is_cuda:
-        from kernels import triton_int4_gemm, triton_int4_mma
+        from vllm_cluster.kernels import triton_int4_gemm, triton_int4_mma
 
         num_sms = triton_int4_gemm._num_sms(x.hg.device)
         return triton_int4_mma.int4_gemm_pairs(
