@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from vllm_cluster.cluster.client import Client, Completion
+from vllm_cluster.client import Client, Completion
 from vllm_cluster.cluster.local import LocalCluster
 
 

@@ -16,7 +16,7 @@ from typing import TextIO
 
 import grpc
 
-from vllm_cluster.cluster.client import Client, ClientError, Completion
+from vllm_cluster.client import Client, ClientError, Completion
 
 
 @dataclass(slots=True)

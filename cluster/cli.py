@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from vllm_cluster.client import Client, ClientError, Completion
 from vllm_cluster.cluster.cli_args import (
     SAMPLE_CHAT,
     add_down_parser,
@@ -35,9 +36,8 @@ from vllm_cluster.cluster.cli_args import (
     add_up_parser,
     add_worker_parser,
 )
-from vllm_cluster.cluster.client import Client, ClientError, Completion
 from vllm_cluster.loadtest.cli import add_bench_parser
-from vllm_cluster.proto.rpc import API_KEY_ENV
+from vllm_cluster.worker.rpc import API_KEY_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +90,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _health(args: argparse.Namespace) -> int:
     """For container healthchecks: 0 when the gRPC server at --address says SERVING."""
-    from vllm_cluster.proto.rpc import check_health, make_channel
+    from vllm_cluster.worker.rpc import check_health, make_channel
 
     healthy = check_health(make_channel(args.address), args.service, timeout_s=args.timeout_s)
     print("SERVING" if healthy else "NOT SERVING")

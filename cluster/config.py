@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from vllm_cluster.engine.config import EngineConfig, _check_types, build_section
+from vllm_cluster.engine.config import EngineConfig, build_section, check_types
 from vllm_cluster.engine.errors import ConfigError
-from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.worker.router_config import RouterConfig
 
 TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
 ROLES = ("prefill", "decode")
@@ -114,7 +114,7 @@ class ClusterConfig:
             if role in data:
                 data[role] = build_section(PoolConfig, f"cluster.{role}", data[role])
         config: ClusterConfig = build_section(cls, "cluster", data)
-        _check_types(config, "cluster.")
+        check_types(config, "cluster.")
         config.validate()
         return config
 

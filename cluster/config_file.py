@@ -21,9 +21,9 @@ from typing import Any
 import yaml
 
 from vllm_cluster.cluster.config import ClusterConfig, Deployment
-from vllm_cluster.engine.config import EngineConfig, _check_types, build_section
+from vllm_cluster.engine.config import EngineConfig, build_section, check_types
 from vllm_cluster.engine.errors import ConfigError
-from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.worker.router_config import RouterConfig
 
 SECTIONS = ("engine", "cluster", "router")
 _KEY_TOKEN = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
@@ -109,7 +109,7 @@ def _build(data: dict[str, Any], lines: dict[str, str]) -> Deployment:
         raise _located(str(e), "", lines) from None
     try:
         router = build_section(RouterConfig, "router", data.get("router"))
-        _check_types(router, "router.")
+        check_types(router, "router.")
         router.validate()
     except ConfigError as e:
         raise _located(str(e), "", lines) from None

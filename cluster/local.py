@@ -28,7 +28,7 @@ import yaml
 
 from vllm_cluster.cluster.config import ClusterConfig
 from vllm_cluster.kv_index.redis_server import EmbeddedRedis, start_embedded_redis
-from vllm_cluster.proto.rpc import API_KEY_ENV, TOKEN_ENV
+from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV
 
 
 @dataclass

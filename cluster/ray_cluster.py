@@ -41,7 +41,7 @@ from vllm_cluster.cluster.process_host import ProcessHost, ProcessSpec, RankSlot
 from vllm_cluster.cluster.procs import ProcessRef
 from vllm_cluster.cluster.state import ClusterState, ProcessRecord
 from vllm_cluster.kv_index.redis_server import free_port
-from vllm_cluster.proto.rpc import API_KEY_ENV, TOKEN_ENV, check_health, make_channel
+from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV, check_health, make_channel
 
 _PLACEMENT_TIMEOUT_S = 120.0
 

@@ -21,7 +21,7 @@ from vllm_cluster.cluster.state import ClusterState, ProcessRecord, state_path
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import check_health, make_channel
+from vllm_cluster.worker.rpc import check_health, make_channel
 
 _STUBS: dict[str, Any] = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWorkerStub}
 

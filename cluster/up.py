@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_cluster.client import Client, ClientError, Completion
 from vllm_cluster.cluster.cli_args import FLAG_KEYS
-from vllm_cluster.cluster.client import Client, ClientError, Completion
 from vllm_cluster.cluster.config import Deployment
 from vllm_cluster.cluster.config_file import load_deployment
 from vllm_cluster.cluster.layout import (
@@ -43,7 +43,7 @@ from vllm_cluster.engine.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm_cluster.cluster.ray_cluster import RayCluster
-from vllm_cluster.proto.rpc import API_KEY_ENV
+from vllm_cluster.worker.rpc import API_KEY_ENV
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:

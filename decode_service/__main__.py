@@ -1,4 +1,4 @@
-"""python -m decode_service --config configs/local.yaml --port 0 --ready-file /tmp/d0.json
+"""python -m vllm_cluster.decode_service --config configs/local.yaml --port 0 --ready-file /tmp/d0.json
 
 Serves the DecodeWorker gRPC API around a decode-role engine, with a KV receiver."""
 
@@ -12,7 +12,7 @@ from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.kv_transfer import KVLayout, make_receiver
 from vllm_cluster.metrics import InstanceMetrics
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.worker_main import add_worker_args, build_engine, serve
+from vllm_cluster.worker.main import add_worker_args, build_engine, cluster_token, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     core, tokenizer = build_engine(args, role="decode")
     kv_caches = core.transfer_caches
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
-    receiver = make_receiver(args.transport, kv_caches, layout, args.kv_host, args.kv_port)
+    receiver = make_receiver(args.transport, kv_caches, layout, args.kv_host, args.kv_port, cluster_token())
     servicer: DecodeServicer | None = None
 
     def before_abort(request_id: str) -> None:

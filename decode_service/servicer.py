@@ -31,14 +31,14 @@ from vllm_cluster.engine.scheduler import SampledToken
 from vllm_cluster.kv_transfer import KVLayout, KVReceiver, TransferStatus
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.convert import (
+from vllm_cluster.worker.convert import (
     delta_to_proto,
     request_from_proto,
     sampled_token_from_proto,
     worker_stats_to_proto,
 )
-from vllm_cluster.proto.lora_admin import load_lora_adapter, unload_lora_adapter
-from vllm_cluster.proto.rpc import abort
+from vllm_cluster.worker.lora_admin import load_lora_adapter, unload_lora_adapter
+from vllm_cluster.worker.rpc import abort
 
 logger = logging.getLogger(__name__)
 

@@ -218,7 +218,7 @@ class EngineConfig:
             else:
                 kwargs[key] = value
         config = cls(**kwargs)
-        _check_types(config, "")
+        check_types(config, "")
         config.validate()
         return config
 
@@ -285,14 +285,14 @@ def build_section(section: type, name: str, value: Any) -> Any:
     return section(**value)
 
 
-def _check_types(obj: Any, prefix: str) -> None:
+def check_types(obj: Any, prefix: str) -> None:
     """Refuse a value of the wrong type (`max_num_seqs: "8"`) before validation compares it."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         name = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
-            _check_types(value, f"{name}.")
+            check_types(value, f"{name}.")
             continue
         hint = hints[f.name]
         is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)

@@ -58,23 +58,25 @@ def make_receiver(
     layout: KVLayout,
     host: str = "127.0.0.1",
     port: int = 0,
+    cluster_token: str = "",
 ) -> KVReceiver:
     """A receiver for `backend`, listening on host:port (port 0: any free port; see its
-    `endpoint`). A local receiver takes a fresh name instead."""
+    `endpoint`). A local receiver takes a fresh name instead. With a `cluster_token`, KV is
+    accepted only from senders carrying the same token."""
     backend = backend_of(backend)
     if backend == "ucx":
         from vllm_cluster.kv_transfer.ucx import UcxReceiver
 
-        return UcxReceiver(kv_caches, layout, host, port)
+        return UcxReceiver(kv_caches, layout, host, port, cluster_token)
     if backend == "nccl":
         from vllm_cluster.kv_transfer.torch_dist import TorchDistReceiver
 
-        return TorchDistReceiver(kv_caches, layout, host, port)
+        return TorchDistReceiver(kv_caches, layout, host, port, cluster_token)
     if backend == "cuda_ipc":
         from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcReceiver
 
-        return CudaIpcReceiver(kv_caches, layout, host, port)
-    return LocalReceiver(kv_caches, layout, name=f"receiver-{next(_local_names)}")
+        return CudaIpcReceiver(kv_caches, layout, host, port, cluster_token)
+    return LocalReceiver(kv_caches, layout, f"receiver-{next(_local_names)}", cluster_token)
 
 
 def make_sender(
@@ -82,19 +84,20 @@ def make_sender(
     kv_caches: Sequence[torch.Tensor],
     layout: KVLayout,
     sender_id: str,
+    cluster_token: str = "",
 ) -> KVSender:
     """A sender for a backend, named directly ("ucx") or by an endpoint ("ucx://HOST:PORT")."""
     backend = backend_of(endpoint_or_backend)
     if backend == "ucx":
         from vllm_cluster.kv_transfer.ucx import UcxSender
 
-        return UcxSender(kv_caches, layout, sender_id)
+        return UcxSender(kv_caches, layout, sender_id, cluster_token)
     if backend == "nccl":
         from vllm_cluster.kv_transfer.torch_dist import TorchDistSender
 
-        return TorchDistSender(kv_caches, layout, sender_id)
+        return TorchDistSender(kv_caches, layout, sender_id, cluster_token)
     if backend == "cuda_ipc":
         from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcSender
 
-        return CudaIpcSender(kv_caches, layout, sender_id)
-    return LocalSender(kv_caches, layout, sender_id)
+        return CudaIpcSender(kv_caches, layout, sender_id, cluster_token)
+    return LocalSender(kv_caches, layout, sender_id, cluster_token)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,7 +22,6 @@ import numpy as np
 import torch
 
 from vllm_cluster.proto import kv_transfer_pb2
-from vllm_cluster.proto.rpc import TOKEN_ENV
 
 
 class TransferStatus(enum.IntEnum):
@@ -271,9 +269,9 @@ class KVSender(Protocol):
     def close(self) -> None: ...
 
 
-def handshake_message(layout: KVLayout, sender_id: str) -> kv_transfer_pb2.Handshake:
-    """A sender's first message: its layout and name, and the cluster token from its
-    environment (the receiver accepts KV only from processes of its own cluster)."""
+def handshake_message(layout: KVLayout, sender_id: str, cluster_token: str) -> kv_transfer_pb2.Handshake:
+    """A sender's first message: its layout, its name and its cluster's token (the receiver
+    accepts KV only from processes of its own cluster)."""
     return kv_transfer_pb2.Handshake(
-        layout=layout.to_proto(), sender_id=sender_id, cluster_token=os.environ.get(TOKEN_ENV, "")
+        layout=layout.to_proto(), sender_id=sender_id, cluster_token=cluster_token
     )

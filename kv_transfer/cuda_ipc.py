@@ -128,12 +128,13 @@ class CudaIpcReceiver:
         layout: KVLayout,
         host: str = "127.0.0.1",
         port: int = 0,
+        cluster_token: str = "",
     ) -> None:
         if not kv_caches[0].is_cuda:
             raise KVTransferError(
                 "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
             )
-        self._table = ReceiveTable(kv_caches, layout)
+        self._table = ReceiveTable(kv_caches, layout, cluster_token)
         self._export = kvpb.CudaIpcExport(
             layers=[_export(t) for t in kv_caches]
         ).SerializeToString()
@@ -259,13 +260,15 @@ class _Peer:
 
 
 class CudaIpcSender:
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str) -> None:
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = ""
+    ) -> None:
         if not kv_caches[0].is_cuda:
             raise KVTransferError(
                 "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
             )
         self._kv_caches = list(kv_caches)
-        self._handshake = handshake_message(layout, sender_id).SerializeToString()
+        self._handshake = handshake_message(layout, sender_id, cluster_token).SerializeToString()
         self._table = SendTable()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()

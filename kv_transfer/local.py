@@ -39,10 +39,12 @@ _registry_lock = threading.Lock()
 
 
 class LocalReceiver:
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, name: str) -> None:
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, name: str, cluster_token: str = ""
+    ) -> None:
         check_kv_caches(kv_caches)
         self.endpoint = f"local://{name}"
-        self._table = ReceiveTable(kv_caches, layout)
+        self._table = ReceiveTable(kv_caches, layout, cluster_token)
         with _registry_lock:
             if name in _registry:
                 raise KVTransferError(f"a local KV receiver named {name!r} already exists")
@@ -85,12 +87,17 @@ class LocalReceiver:
 
 class LocalSender:
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str = "local"
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        sender_id: str = "local",
+        cluster_token: str = "",
     ) -> None:
         check_kv_caches(kv_caches)
         self.kv_caches = list(kv_caches)
         self.layout = layout
         self.sender_id = sender_id
+        self.cluster_token = cluster_token
         self._table = SendTable()
         self._rejections: dict[str, str] = {}  # endpoint -> handshake error
         self._accepted: set[str] = set()
@@ -132,7 +139,7 @@ class LocalSender:
         if receiver is None:
             raise KVTransferError(f"no local KV receiver at {endpoint!r} (closed, or never made)")
         if endpoint not in self._accepted:
-            handshake = handshake_message(self.layout, self.sender_id)
+            handshake = handshake_message(self.layout, self.sender_id, self.cluster_token)
             reply = receiver.handshake(handshake)
             if not reply.accepted:
                 self._rejections[endpoint] = reply.error

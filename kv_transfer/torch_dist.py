@@ -98,9 +98,10 @@ class TorchDistReceiver:
         layout: KVLayout,
         host: str = "127.0.0.1",
         port: int = 0,
+        cluster_token: str = "",
     ) -> None:
         check_kv_caches(kv_caches)
-        self._table = ReceiveTable(kv_caches, layout)
+        self._table = ReceiveTable(kv_caches, layout, cluster_token)
         self._device = kv_caches[0].device
         self._host = host
         listen_socket = socket.create_server((host, port), backlog=128)
@@ -319,11 +320,13 @@ class _DistPeer:
 
 
 class TorchDistSender:
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str) -> None:
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = ""
+    ) -> None:
         check_kv_caches(kv_caches)
         self.kv_caches = list(kv_caches)
         self._table = SendTable()
-        self._handshake = handshake_message(layout, sender_id).SerializeToString()
+        self._handshake = handshake_message(layout, sender_id, cluster_token).SerializeToString()
         self._peers: dict[str, _DistPeer] = {}
         self._all_peers: list[_DistPeer] = []
         self._lock = threading.Lock()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import threading
 import time
 import zlib
@@ -43,7 +42,6 @@ from vllm_cluster.kv_transfer.base import (
     split_segments,
 )
 from vllm_cluster.proto import kv_transfer_pb2
-from vllm_cluster.proto.rpc import TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +66,18 @@ class ReceiveTable:
     """Thread-safe: backends call it from their receive threads, the engine from its own."""
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, max_num_finished: int = 4096
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        cluster_token: str = "",
+        max_num_finished: int = 4096,
     ) -> None:
         self.kv_caches = list(kv_caches)
         self.layout = layout
         self.num_blocks = self.kv_caches[0].shape[0]
         self.block_bytes = self.kv_caches[0][0].numel() * self.kv_caches[0].element_size()
         self.max_num_finished = max_num_finished
-        self._token = os.environ.get(TOKEN_ENV, "")  # empty: a process outside a cluster (tests)
+        self._token = cluster_token  # empty: a process outside a cluster (tests)
         self._incoming: dict[str, _Incoming] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._cond = threading.Condition()

@@ -91,9 +91,10 @@ class UcxReceiver:
         layout: KVLayout,
         host: str = "127.0.0.1",
         port: int = 0,
+        cluster_token: str = "",
     ) -> None:
         check_kv_caches(kv_caches)
-        self._table = ReceiveTable(kv_caches, layout)
+        self._table = ReceiveTable(kv_caches, layout, cluster_token)
         self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
         self._handlers: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -281,11 +282,13 @@ class _UcxPeer:
 
 
 class UcxSender:
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str) -> None:
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = ""
+    ) -> None:
         check_kv_caches(kv_caches)
         self.kv_caches = list(kv_caches)
         self._table = SendTable()
-        self._handshake = handshake_message(layout, sender_id).SerializeToString()
+        self._handshake = handshake_message(layout, sender_id, cluster_token).SerializeToString()
         self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
         self._peers: dict[str, _UcxPeer] = {}
         self._all_peers: list[_UcxPeer] = []

@@ -286,7 +286,7 @@ def _throughput(args: argparse.Namespace) -> int:
 def _server_model(args: argparse.Namespace) -> str:
     """The served model, asked of the server (what `vllm bench serve` needs --model for)."""
     if args.backend == "grpc":
-        from vllm_cluster.cluster.client import Client
+        from vllm_cluster.client import Client
 
         with Client(args.address, api_key=args.api_key or None) as client:
             return client.list_models()[0].id

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from vllm_cluster.cluster.client import Client, ClientError
+from vllm_cluster.client import Client, ClientError
 from vllm_cluster.proto import cluster_pb2 as pb
 
 WORDS = ["the", "a", "sea", "light", "keeper", "storm", "ship", "night", "wave", "rock", "north", "wind", "lamp", "harbor", "tide", "gull"]

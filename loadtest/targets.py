@@ -21,7 +21,7 @@ from vllm_cluster.loadtest.datasets import SampleRequest
 from vllm_cluster.loadtest.metrics import RequestResult
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import CHANNEL_OPTIONS
+from vllm_cluster.worker.rpc import CHANNEL_OPTIONS
 
 _TIMING_FIELDS = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s")
 

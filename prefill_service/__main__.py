@@ -1,4 +1,4 @@
-"""python -m prefill_service --config configs/local.yaml --port 0 --ready-file /tmp/p0.json
+"""python -m vllm_cluster.prefill_service --config configs/local.yaml --port 0 --ready-file /tmp/p0.json
 
 Serves the PrefillWorker gRPC API around a prefill-role engine, with a KV sender."""
 
@@ -12,7 +12,7 @@ from vllm_cluster.kv_transfer import KVLayout, make_sender
 from vllm_cluster.metrics import InstanceMetrics
 from vllm_cluster.prefill_service.servicer import PrefillServicer
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.worker_main import add_worker_args, build_engine, serve
+from vllm_cluster.worker.main import add_worker_args, build_engine, cluster_token, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     core, _ = build_engine(args, role="prefill")
     kv_caches = core.transfer_caches
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
-    sender = make_sender(args.transport, kv_caches, layout, args.name)
+    sender = make_sender(args.transport, kv_caches, layout, args.name, cluster_token())
     loop = EngineLoop(core, tokenizer=None, stall_timeout_s=args.stall_timeout_s)  # prefill only samples one token
     metrics = InstanceMetrics(loop, args.name)
     servicer = PrefillServicer(loop, sender, layout, args.transfer_timeout_s, metrics)

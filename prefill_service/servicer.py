@@ -25,9 +25,9 @@ from vllm_cluster.metrics import InstanceMetrics
 from vllm_cluster.prefill_service.push import ReservationPush
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.convert import first_token_to_proto, request_from_proto, worker_stats_to_proto
-from vllm_cluster.proto.lora_admin import load_lora_adapter, unload_lora_adapter
-from vllm_cluster.proto.rpc import abort
+from vllm_cluster.worker.convert import first_token_to_proto, request_from_proto, worker_stats_to_proto
+from vllm_cluster.worker.lora_admin import load_lora_adapter, unload_lora_adapter
+from vllm_cluster.worker.rpc import abort
 
 _STATUS = {TransferStatus.DONE: pb.TRANSFER_DONE, None: pb.TRANSFER_SKIPPED}
 

@@ -21,13 +21,13 @@ from vllm_cluster.engine.resolve import max_model_len
 from vllm_cluster.engine.tokenizer import load_tokenizer
 from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import API_KEY_ENV, TOKEN_ENV, announce_and_wait, make_server
-from vllm_cluster.router.config import RouterConfig
 from vllm_cluster.router.openai.app import HttpServer, build_app
 from vllm_cluster.router.openai.backend import RouterBackend
 from vllm_cluster.router.openai.serving import OpenAIServing
 from vllm_cluster.router.registry import Registry
 from vllm_cluster.router.servicer import RouterServicer
+from vllm_cluster.worker.router_config import RouterConfig
+from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV, announce_and_wait, make_server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,9 +6,9 @@ from typing import NoReturn
 
 import grpc
 
-from vllm_cluster.proto.rpc import abort as _abort
-from vllm_cluster.proto.rpc import scrub
 from vllm_cluster.router.handoff import Handoff
+from vllm_cluster.worker.rpc import abort as _abort
+from vllm_cluster.worker.rpc import scrub
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

@@ -22,10 +22,10 @@ from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.admission import AdmissionQueue
 from vllm_cluster.router.calls import abort, end_aborted
-from vllm_cluster.router.config import RouterConfig
 from vllm_cluster.router.handoff import Handoff, HandoffState
-from vllm_cluster.router.policy import rank
+from vllm_cluster.router.policy import PrefixWeights, rank
 from vllm_cluster.router.registry import Instance, Registry
+from vllm_cluster.worker.router_config import RouterConfig
 
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
@@ -35,6 +35,9 @@ class Placement:
         self, config: RouterConfig, registry: Registry, block_size: int, prefix_index: PrefixIndex | None
     ) -> None:
         self._config = config
+        self._weights = PrefixWeights(
+            config.prefix_weight_overlap, config.prefix_weight_usage, config.prefix_weight_load
+        )
         self._registry = registry
         self._block_size = block_size
         self._prefix_index = prefix_index
@@ -57,7 +60,7 @@ class Placement:
         with self._lock:
             self._turn += 1
             turn = self._turn
-        return rank(self._config.policy, loads, turn, self._rng, num_blocks, self._config.prefix_weights)
+        return rank(self._config.policy, loads, turn, self._rng, num_blocks, self._weights)
 
     def room_freed(self) -> None:
         """A request left a decode instance: queued requests try again."""

@@ -85,9 +85,6 @@ def prefix_aware(
     return [name for _, _, name in sorted(keyed)]
 
 
-POLICIES = ("least_loaded", "round_robin", "power_of_two", "prefix_aware")
-
-
 def rank(
     policy: str,
     loads: Sequence[InstanceLoad],

@@ -16,8 +16,8 @@ import grpc
 
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import make_channel
 from vllm_cluster.router.policy import InstanceLoad
+from vllm_cluster.worker.rpc import make_channel
 
 logger = logging.getLogger(__name__)
 

@@ -39,15 +39,15 @@ from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.metrics import RouterMetrics
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.convert import sampling_params_from_proto
 from vllm_cluster.router.calls import abort, end_aborted
-from vllm_cluster.router.config import RouterConfig
 from vllm_cluster.router.handoff import Handoff, HandoffState
 from vllm_cluster.router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
 from vllm_cluster.router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
 from vllm_cluster.router.placement import Placement
 from vllm_cluster.router.policy import should_skip_prefill
 from vllm_cluster.router.registry import Instance, Registry
+from vllm_cluster.worker.convert import sampling_params_from_proto
+from vllm_cluster.worker.router_config import RouterConfig
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from vllm_cluster.engine.loader.gguf_file import gguf_hf_config, gguf_weights
 from vllm_cluster.engine.loader.presets import PRESETS
 from vllm_cluster.engine.models import CausalLM, ModelArchConfig
 from vllm_cluster.engine.quantization import get_method, select_method
-from vllm_cluster.engine.quantization.base import QuantMethod
-from vllm_cluster.engine.quantization.swap import is_quantized, quantize_model
+from vllm_cluster.engine.quantization.base import QuantMethod, is_quantized
+from vllm_cluster.engine.quantization.swap import quantize_model
 
 BUNDLED_MODEL = "smollm2-135m-instruct"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

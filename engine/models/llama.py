@@ -20,7 +20,7 @@ from vllm_cluster.engine.layers.rotary import Rope, RotaryEmbedding
 from vllm_cluster.engine.models import mixtral
 from vllm_cluster.engine.models.config import ModelArchConfig
 from vllm_cluster.engine.models.kv_scales import kv_scale_targets, per_layer_scale
-from vllm_cluster.engine.quantization.swap import is_quantized
+from vllm_cluster.engine.quantization.base import is_quantized
 from vllm_cluster.kernels.dispatch import AddNorm, AttentionMetadata, Normed, silu_and_mul
 
 

@@ -82,3 +82,8 @@ class QuantMethod(Protocol):
     ) -> nn.Module:
         """An empty module to replace an nn.Linear of these shapes."""
         ...
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """A module the checkpoint loader hands tensors to (`load_shard`)."""
+    return callable(getattr(module, "load_shard", None))

@@ -57,8 +57,3 @@ def _swap(linear: nn.Linear, output_sizes: list[int], method: QuantMethod, conve
         bias = None if linear.bias is None else linear.bias.data
         module.quantize_from(weight.data, bias)  # type: ignore[operator]
     return module
-
-
-def is_quantized(module: nn.Module) -> bool:
-    """A module the checkpoint loader hands tensors to (`load_shard`)."""
-    return callable(getattr(module, "load_shard", None))

@@ -19,7 +19,6 @@ from typing import Any
 
 from vllm_cluster.engine.tokenizer import apply_chat_template
 from vllm_cluster.proto import cluster_pb2 as pb
-from vllm_cluster.proto.rpc import scrub
 from vllm_cluster.router.openai.backend import Piece, RouterBackend
 from vllm_cluster.router.openai.logprobs import chat_logprobs, completion_logprobs
 from vllm_cluster.router.openai.protocol import (
@@ -30,6 +29,7 @@ from vllm_cluster.router.openai.protocol import (
     _SamplingFields,
     bad_request,
 )
+from vllm_cluster.worker.rpc import scrub
 
 _MAX_SEQUENCES = 256  # Generate calls one HTTP request may fan out to (prompts x n)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cluster.cluster.client import Client
+from vllm_cluster.client import Client
 from vllm_cluster.cluster.procs import ProcessRef, session_members
 from vllm_cluster.cluster.state import ClusterState
 

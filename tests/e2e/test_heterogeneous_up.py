@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cluster.cluster.client import Client
+from vllm_cluster.client import Client
 from vllm_cluster.cluster.state import ClusterState
 from vllm_cluster.engine import LLM, SamplingParams
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from vllm_cluster.cluster.client import Client, ClientError
+from vllm_cluster.client import Client, ClientError
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import TOKEN_ENV, make_channel
+from vllm_cluster.worker.rpc import TOKEN_ENV, make_channel
 
 pytestmark = pytest.mark.slow
 
@@ -294,7 +294,7 @@ def test_dead_prefill_leads_to_recompute(cluster: LocalCluster, client: Client, 
 def test_health_and_reflection_on_every_server(cluster: LocalCluster) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from vllm_cluster.proto.rpc import check_health
+    from vllm_cluster.worker.rpc import check_health
 
     servers = [(cluster.router_address, "vllm_cluster.Generation")]
     servers += [(a, "vllm_cluster.DecodeWorker") for a in cluster.decode_addresses]

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cluster.cluster.client import Client, ClientError
+from vllm_cluster.client import Client, ClientError
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import make_channel
+from vllm_cluster.worker.rpc import make_channel
 
 pytestmark = pytest.mark.slow
 

@@ -23,11 +23,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_cluster.cluster.client import Client, ClientError, Completion
+from vllm_cluster.client import Client, ClientError, Completion
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import API_KEY_ENV, make_channel
+from vllm_cluster.worker.rpc import API_KEY_ENV, make_channel
 
 pytestmark = pytest.mark.slow
 

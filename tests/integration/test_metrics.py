@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_cluster.cluster.client import Client, Completion
+from vllm_cluster.client import Client, Completion
 from vllm_cluster.cluster.local import LocalCluster
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cluster.cluster.client import Client
+from vllm_cluster.client import Client
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.engine import LLM, SamplingParams
 

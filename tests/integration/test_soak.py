@@ -14,7 +14,7 @@ from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.loadtest.soak import soak
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import make_channel
+from vllm_cluster.worker.rpc import make_channel
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_cluster.cluster.client import Client, ClientError
+from vllm_cluster.client import Client, ClientError
 from vllm_cluster.engine.errors import ConfigError
-from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.worker.router_config import RouterConfig
 
 pytestmark = pytest.mark.slow
 

@@ -204,28 +204,21 @@ def test_closed_receiver_fails_the_transfer_with_its_endpoint(
     assert not dst[0][1].any()
 
 
-def test_sender_of_another_cluster_is_refused(
-    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sender_of_another_cluster_is_refused(backend: str, closing: list[Any]) -> None:
     """The receiver takes KV only from senders carrying its cluster token."""
-    from vllm_cluster.proto.rpc import TOKEN_ENV
-
-    monkeypatch.setenv(TOKEN_ENV, "our-cluster")
     src = random_caches(seed=1)
     dst = zero_caches(src)
     layout = KVLayout.from_kv_caches(src, MODEL)
-    receiver = make_receiver(backend, dst, layout)
+    receiver = make_receiver(backend, dst, layout, cluster_token="our-cluster")
     closing.append(receiver)
-    monkeypatch.setenv(TOKEN_ENV, "some-other-cluster")
-    stranger = make_sender(backend, src, layout, sender_id="stranger")
+    stranger = make_sender(backend, src, layout, sender_id="stranger", cluster_token="some-other-cluster")
     closing.append(stranger)
     receiver.expect("req", [0, 1])
     stranger.push_layer(receiver.endpoint, "req", 0, [0, 1], [0, 1])
     assert stranger.wait("req", TIMEOUT_S) == TransferStatus.FAILED
     assert "cluster token" in (stranger.error("req") or "")
     assert not dst[0].any()
-    monkeypatch.setenv(TOKEN_ENV, "our-cluster")
-    member = make_sender(backend, src, layout, sender_id="prefill-0")
+    member = make_sender(backend, src, layout, sender_id="prefill-0", cluster_token="our-cluster")
     closing.append(member)
     for layer in range(2):
         member.push_layer(receiver.endpoint, "req", layer, [0, 1], [0, 1])

@@ -25,7 +25,7 @@ from vllm_cluster.cluster.procs import ProcessRef
 from vllm_cluster.cluster.state import ClusterState, ProcessRecord
 from vllm_cluster.engine.config import EngineConfig
 from vllm_cluster.engine.errors import ConfigError
-from vllm_cluster.router.config import RouterConfig
+from vllm_cluster.worker.router_config import RouterConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = """\

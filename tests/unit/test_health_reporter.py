@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from vllm_cluster.proto.rpc import HealthReporter, check_health, make_channel, make_server
+from vllm_cluster.worker.rpc import HealthReporter, check_health, make_channel, make_server
 
 
 def _wait_for(channel, expected: bool, timeout_s: float = 3.0) -> float:  # type: ignore[no-untyped-def]

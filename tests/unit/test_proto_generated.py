@@ -21,7 +21,7 @@ def test_generated_code_is_fresh() -> None:
 
 def test_roundtrip_of_sampling_params() -> None:
     from vllm_cluster.engine import SamplingParams
-    from vllm_cluster.proto.convert import sampling_params_from_proto, sampling_params_to_proto
+    from vllm_cluster.worker.convert import sampling_params_from_proto, sampling_params_to_proto
 
     for params in (
         SamplingParams(),

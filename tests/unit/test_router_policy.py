@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 
 from vllm_cluster.engine.errors import ConfigError
-from vllm_cluster.router.config import RouterConfig
 from vllm_cluster.router.handoff import Handoff, HandoffState, InvalidTransition
 from vllm_cluster.router.policy import (
     InstanceLoad,
@@ -15,6 +14,7 @@ from vllm_cluster.router.policy import (
     round_robin,
     should_skip_prefill,
 )
+from vllm_cluster.worker.router_config import RouterConfig
 
 
 def _load(name: str, inflight: int = 0, waiting: int = 0, usage: float = 0.0, healthy: bool = True) -> InstanceLoad:

@@ -20,7 +20,7 @@ from vllm_cluster.engine.tokenizer import load_tokenizer
 from vllm_cluster.kv_index import BlockEventPublisher
 from vllm_cluster.kv_transfer import faults
 from vllm_cluster.metrics import InstanceMetrics
-from vllm_cluster.proto.rpc import TOKEN_ENV, HealthReporter, announce_and_wait, make_server
+from vllm_cluster.worker.rpc import TOKEN_ENV, HealthReporter, announce_and_wait, make_server
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +58,13 @@ def build_engine(args: argparse.Namespace, role: str) -> tuple[EngineCore, Any]:
     return core, (load_tokenizer(path) if path is not None else None)
 
 
+def cluster_token() -> str:
+    """The cluster token this process was started with (`vllm-cluster up` and `serve` put a
+    fresh one in every instance's environment; empty outside a cluster). Internal RPCs and
+    the KV handshake carry it."""
+    return os.environ.get(TOKEN_ENV, "")
+
+
 def instance_id(role: str, address: str) -> str:
     """How an instance is known in the prefix index: the router knows it by this address."""
     return f"{role}@{address}"
@@ -74,7 +81,7 @@ def serve(
     """Serve until SIGTERM/SIGINT, then drain: health NOT_SERVING, new calls refused, calls
     in flight given --drain-grace-s to finish; then the engine stops and the process exits.
     `metrics` is served over HTTP on args.host:args.metrics_port meanwhile."""
-    server, port, health = make_server(f"{args.host}:{args.port}", [service_name], os.environ.get(TOKEN_ENV))
+    server, port, health = make_server(f"{args.host}:{args.port}", [service_name], cluster_token() or None)
     reporter = HealthReporter(health, [service_name], loop.problem)
     add_servicer(server)
     publisher = _start_publisher(args, loop, f"{args.host}:{port}") if args.redis_url else None

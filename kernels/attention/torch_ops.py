@@ -1,7 +1,7 @@
-"""The torch path of every kernel, used on CPU: fast enough to serve there, exact against
-kernels/reference.py. Decode attention rows are batched (one gather per layer,
+"""The torch path of the attention kernels, used on CPU: fast enough to serve there, exact
+against kernels/attention/reference.py. Decode attention rows are batched (one gather per layer,
 grouped-query attention by two matmuls); prefill rows run one SDPA call per sequence.
-An fp8 cache (kernels/fp8_kv.py) is read back in the query's dtype, k_scale folded into the
+An fp8 cache (kernels/attention/fp8_kv.py) is read back in the query's dtype, k_scale folded into the
 softmax scale and v_scale applied to the output; every sequence then reads its whole context
 from the cache, as the Triton kernels do, so attention sees what was stored.
 """
@@ -13,39 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_cluster.kernels.fp8_kv import is_fp8, quantize, scale_value
-from vllm_cluster.kernels.metadata import AttentionMetadata
-
-
-@dataclass(slots=True)
-class CpuPlan:
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    decode_seq_ids: torch.Tensor  # [Bd] long: sequences with exactly one new token
-    decode_token_ids: torch.Tensor  # [Bd] long: where their token sits in the batch
-    decode_max_len: int
-    # [Bd, 1, 1, decode_max_len] bool, True = attend; None when all decode lengths are equal.
-    decode_mask: torch.Tensor | None
-    prefill_seq_ids: list[int]  # sequences with more than one new token
-
-
-def make_plan(query_start_loc: list[int], seq_lens: list[int]) -> CpuPlan:
-    q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(seq_lens))]
-    decode = [b for b, q in enumerate(q_lens) if q == 1]
-    decode_lens = torch.tensor([seq_lens[b] for b in decode], dtype=torch.long)
-    decode_max_len = max((seq_lens[b] for b in decode), default=0)
-    mask = None
-    if decode and bool((decode_lens != decode_max_len).any()):
-        mask = (torch.arange(decode_max_len)[None, :] < decode_lens[:, None])[:, None, None, :]
-    return CpuPlan(
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        decode_seq_ids=torch.tensor(decode, dtype=torch.long),
-        decode_token_ids=torch.tensor([query_start_loc[b] for b in decode], dtype=torch.long),
-        decode_max_len=decode_max_len,
-        decode_mask=mask,
-        prefill_seq_ids=[b for b, q in enumerate(q_lens) if q > 1],
-    )
+from vllm_cluster.kernels.attention.fp8_kv import is_fp8, quantize, scale_value
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata, CpuPlan
 
 
 def write_kv_cache(
@@ -168,32 +137,3 @@ def _prefill_attention(
         if scales.fp8:
             o = o * scales.out
     out[start:end] = o.transpose(0, 1)
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is not None:
-        x = x + residual
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
-    # Normalise in fp32, scale in the model dtype (as HF does).
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype), x
-
-
-def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -1,5 +1,4 @@
-"""Unpacking and dequantizing GPTQ and AWQ INT4 weights: the torch definition of
-`int4_gemm`, used on CPU and as the reference the Triton kernel is tested against.
+"""How GPTQ and AWQ checkpoints pack INT4 weights, and unpacking them to values 0..15.
 
 The two layouts, for a linear layer of K input and N output features (G groups):
 
@@ -25,7 +24,6 @@ import torch
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # AWQ_NIBBLE[j]: the nibble that holds output 8c + j (the inverse of AWQ_ORDER).
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
-LAYOUTS = ("gptq", "awq", "rows", "pairs", "tiles")  # rows, pairs, tiles: GPTQ repacked at load (kernels/int4_rows.py)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -54,50 +52,3 @@ def group_index(in_features: int, group_size: int, device: torch.device) -> torc
     """The group of each input, int32 [K], for groups of consecutive inputs (-1: one group)."""
     size = in_features if group_size == -1 else group_size
     return torch.arange(in_features, dtype=torch.int32, device=device) // size
-
-
-def dequantize(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor | None,
-    group_size: int,
-    layout: str,
-    zero_offset: int,
-) -> torch.Tensor:
-    """The fp32 weight [K, N] of packed INT4 tensors. g_idx: int [K], the group of each
-    input (act-order), or None for groups of `group_size` consecutive inputs (-1: one)."""
-    assert layout in LAYOUTS, layout
-    if layout in ("rows", "pairs", "tiles"):
-        from vllm_cluster.kernels.int4_rows import (  # they import this module
-            tiles_to_pairs,
-            unpack_pairs_layout,
-            unpack_rows_layout,
-        )
-
-        if layout == "rows":
-            q = unpack_rows_layout(qweight)  # [K, N]
-        else:
-            q = unpack_pairs_layout(tiles_to_pairs(qweight) if layout == "tiles" else qweight)
-    else:
-        q = unpack_rows(qweight) if layout == "gptq" else unpack_cols(qweight, "awq")  # [K, N]
-    zeros = unpack_cols(qzeros, layout) + zero_offset  # [G, N]
-    if g_idx is None:
-        g_idx = group_index(q.shape[0], group_size, q.device)
-    groups = g_idx.long()
-    return (q - zeros[groups]).float() * scales[groups].float()
-
-
-def int4_gemm(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor | None,
-    group_size: int,
-    layout: str,
-    zero_offset: int,
-) -> torch.Tensor:
-    """x [M, K] @ dequantize(...) [K, N] -> [M, N] in x's dtype (fp32 accumulation)."""
-    weight = dequantize(qweight, qzeros, scales, g_idx, group_size, layout, zero_offset)
-    return (x.float() @ weight).to(x.dtype)

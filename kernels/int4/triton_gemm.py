@@ -1,10 +1,10 @@
 """Triton INT4 dequantize-GEMM for GPTQ and AWQ weights: y [M, N] = x [M, K] @ W [K, N].
 
 Each program unpacks a [BLOCK_K, BLOCK_N] tile of 4-bit weights (the layouts of
-kernels/int4_reference.py), subtracts the zeros and multiplies by the scales in fp32.
+kernels/int4/packing.py), subtracts the zeros and multiplies by the scales in fp32.
 Groups of consecutive inputs (`g_idx` None) read one row of scales and zeros per tile;
 act-order (`g_idx` given) gathers them per input row. Three paths by the number of rows:
-- one row without act-order (batch-1 decode): kernels/triton_int4_gemv.py (one launch,
+- one row without act-order (batch-1 decode): kernels/int4/triton_gemv.py (one launch,
   float-trick unpack);
 - otherwise up to GEMV_MAX_ROWS: CUDA-core dot products per row here, K split across
   programs (SPLIT_K) that add into an fp32 output: decode is memory-bound and has few
@@ -16,15 +16,16 @@ captured in a CUDA graph."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.int4.triton_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
-# Rows of x up to which the split-K GEMV of kernels/triton_int4_gemv.py runs (it repeats
+# Rows of x up to which the split-K GEMV of kernels/int4/triton_gemv.py runs (it repeats
 # the unpack for each row: at 4 rows it was 2-3x slower than at 1 on the H200), then the
 # GEMV variant here; above DEQUANT_MIN_ROWS the weight is dequantized to x's dtype and
 # multiplied by cuBLAS.
@@ -201,33 +202,25 @@ def _fit_block_k(block_k: int, group_size: int) -> int:
     return block_k
 
 
-def int4_gemm(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor | None,
-    group_size: int,
-    layout: str,
-    zero_offset: int,
-    config: Int4GemmConfig | None = None,
-) -> torch.Tensor:
-    """x [M, K] (fp16/bf16/fp32) @ INT4 W [K, N] -> [M, N] in x's dtype (semantics of
-    kernels.int4_reference.int4_gemm)."""
-    assert layout in ("gptq", "awq"), layout
+def int4_gemm(x: torch.Tensor, weight: Int4Weight, config: Int4GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (fp16/bf16/fp32) @ a gptq or awq INT4 weight [K, N] -> [M, N] in x's dtype
+    (semantics of kernels/int4/reference.py's int4_gemm)."""
+    assert weight.layout in ("gptq", "awq"), weight.layout
     x = x.contiguous()
     m, k = x.shape
-    n = scales.shape[1]
+    n = weight.scales.shape[1]
     assert n % 8 == 0, f"out_features {n} is not a multiple of 8"
-    group = k if group_size == -1 else group_size
+    group = weight.group(k)
+    g_idx = weight.g_idx
     if g_idx is None and group % 16:
         g_idx = torch.arange(k, device=x.device, dtype=torch.int32) // group
+    weight = replace(weight, g_idx=g_idx, group_size=group)
     if config is None and m > DEQUANT_MIN_ROWS:
-        return x @ dequantize(qweight, qzeros, scales, g_idx, group, layout, zero_offset, x.dtype)
+        return x @ dequantize(weight, x.dtype)
     if config is None and m <= SPLIT_K_GEMV_MAX_ROWS and g_idx is None:
-        gemv = pick_gemv_config(m, n, k, group, _num_sms(x.device), layout)
-        return gemv_int4(x, qweight, qzeros, scales, None, group, layout, zero_offset, gemv)
-    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+        gemv = pick_gemv_config(m, n, k, group, num_sms(x.device), weight.layout)
+        return gemv_int4(x, weight, None, gemv)
+    cfg = config or pick_config(m, n, k, num_sms(x.device))
     block_k = cfg.block_k if g_idx is not None else _fit_block_k(cfg.block_k, group)
     if cfg.split_k == 1:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -235,9 +228,9 @@ def int4_gemm(
         out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
     _int4_gemm_kernel[grid](
-        x, qweight, qzeros, scales, g_idx if g_idx is not None else qzeros, out,
+        x, weight.qweight, weight.qzeros, weight.scales, g_idx if g_idx is not None else weight.qzeros, out,
         m, n, k, x.stride(0), out.stride(0), group,
-        LAYOUT_AWQ=layout == "awq", ZERO_OFFSET=zero_offset, HAS_G_IDX=g_idx is not None,
+        LAYOUT_AWQ=weight.layout == "awq", ZERO_OFFSET=weight.zero_offset, HAS_G_IDX=g_idx is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
         WIDE_LOAD=cfg.wide_load, GEMV=cfg.gemv, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -245,26 +238,19 @@ def int4_gemm(
     return out if cfg.split_k == 1 else out.to(x.dtype)
 
 
-def dequantize(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor | None,
-    group: int,
-    layout: str,
-    zero_offset: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The weight [K, N] in `dtype` (a temporary: prefill is compute-bound, and cuBLAS
-    multiplies faster than the fused kernel's tiles)."""
-    n = scales.shape[1]
-    k = qweight.shape[0] * 8 if layout == "gptq" else qweight.shape[0]
+def dequantize(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [K, N] of a gptq or awq layout in `dtype` (a temporary: prefill is
+    compute-bound, and cuBLAS multiplies faster than the fused kernel's tiles)."""
+    qweight, g_idx = weight.qweight, weight.g_idx
+    n = weight.scales.shape[1]
+    k = qweight.shape[0] * 8 if weight.layout == "gptq" else qweight.shape[0]
+    group = weight.group(k)
     block_k = 64 if g_idx is not None else _fit_block_k(64, group)
-    out = torch.empty(k, n, device=scales.device, dtype=dtype)
+    out = torch.empty(k, n, device=weight.scales.device, dtype=dtype)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, 64))
     _dequant_kernel[grid](
-        qweight, qzeros, scales, g_idx if g_idx is not None else qzeros, out, n, k, group,
-        LAYOUT_AWQ=layout == "awq", ZERO_OFFSET=zero_offset, HAS_G_IDX=g_idx is not None,
+        qweight, weight.qzeros, weight.scales, g_idx if g_idx is not None else weight.qzeros, out, n, k, group,
+        LAYOUT_AWQ=weight.layout == "awq", ZERO_OFFSET=weight.zero_offset, HAS_G_IDX=g_idx is not None,
         BLOCK_N=64, BLOCK_K=block_k,
     )  # fmt: skip
     return out
@@ -273,7 +259,8 @@ def dequantize(
 _SM_COUNTS: dict[int, int] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The SMs of a CUDA device (4 elsewhere: the interpreter's tests)."""
     if device.type != "cuda":
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -4,7 +4,7 @@ of its adapter (-1: the base model), and one call serves all of them.
     shrink:  s[t] = x[t] @ A[slot[t]].T             A: [L, N, K]  -> s: [T, N] fp32
     expand:  y[t] += s[t] @ B[slot[t]].T            B: [L, M, R]  (y may be a column slice)
 
-`*_reference` are the definitions (a per-token gather) the tests compare against. The
+`reference.py` holds the definitions (a per-token gather) the tests compare against. The
 dispatch functions differ from them in two ways that save launches on CUDA:
 
 - `lora_shrink` returns s as partials [S, T, N] whose sum over S is s (one per slice of K
@@ -16,27 +16,13 @@ dispatch functions differ from them in two ways that save launches on CUDA:
 They take the batch's tokens grouped by slot when the caller knows them on the host
 (`groups`: an eager step): then each adapter costs a gather and two matmuls per part, on
 any device. Without groups (a CUDA graph, whose slots change at every replay) they run
-the Triton kernels (kernels/triton_lora.py: blocks of consecutive tokens, a tensor-core
+the Triton kernels (kernels/lora/triton_shrink_expand.py: blocks of consecutive tokens, a tensor-core
 dot per distinct slot of a block) on CUDA, and group on the spot on CPU.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    # x: [T, K], a: [L, N, K], slots: [T] -> [T, N] fp32
-    gathered = a[slots.clamp(min=0).long()].float()  # [T, N, K]
-    s = torch.einsum("tk,tnk->tn", x.float(), gathered)
-    return s * (slots >= 0).unsqueeze(1)
-
-
-def lora_expand_reference(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    # y: [T, M] (updated in place), s: [T, R], b: [L, M, R], slots: [T]
-    gathered = b[slots.clamp(min=0).long()].float()  # [T, M, R]
-    delta = torch.einsum("tr,tmr->tm", s.float(), gathered) * (slots >= 0).unsqueeze(1)
-    y.copy_((y.float() + delta).to(y.dtype))
 
 
 # (slot, the indices of its tokens, or None: every token), one per adapter in the batch.
@@ -54,9 +40,9 @@ def _groups(slots: torch.Tensor) -> SlotGroups:
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None) -> torch.Tensor:
     """x: [T, K], a: [L, N, K], slots: [T] (int, -1 = none) -> s as partials [S, T, N] fp32."""
     if groups is None and x.is_cuda:
-        from vllm_cluster.kernels import triton_lora
+        from vllm_cluster.kernels.lora import triton_shrink_expand
 
-        return triton_lora.lora_shrink(x, a, slots)
+        return triton_shrink_expand.lora_shrink(x, a, slots)
     s = x.new_zeros(x.shape[0], a.shape[1], dtype=torch.float32)
     for slot, idx in _groups(slots) if groups is None else groups:
         rows = x if idx is None else x[idx]
@@ -76,9 +62,9 @@ def lora_expand_add(
     partials; y: [T, M] (a column slice is fine), s: [S, T, P*R], b: [L, M, R],
     part_sizes: the parts' column counts (None: one part)."""
     if groups is None and y.is_cuda:
-        from vllm_cluster.kernels import triton_lora
+        from vllm_cluster.kernels.lora import triton_shrink_expand
 
-        triton_lora.lora_expand_add(y, s, b, slots, part_sizes)
+        triton_shrink_expand.lora_expand_add(y, s, b, slots, part_sizes)
         return
     summed = s[0] if s.shape[0] == 1 else s.sum(0)  # [T, P*R]
     groups = _groups(slots) if groups is None else groups

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels.int4_rows import ROW_BLOCK
-from vllm_cluster.kernels.triton_int4_rows import gemv_rows, pick_rows_config
+from vllm_cluster.kernels.int4.layouts import ROW_BLOCK
+from vllm_cluster.kernels.int4.triton_rows import gemv_rows, pick_rows_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
 # Rows of x above which the weight is dequantized for cuBLAS instead of tl.dot tiles.
 DEQUANT_MIN_ROWS = 128
@@ -107,40 +108,35 @@ def _rows_dequant_kernel(
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
 
 
-def dequantize_rows(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, zero_offset: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The weight [K, N] in `dtype` (a temporary for prefill's cuBLAS matmul)."""
+def dequantize_rows(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [K, N] of a rows layout in `dtype` (a temporary for prefill's cuBLAS matmul)."""
+    assert weight.layout == "rows", weight.layout
+    qweight = weight.qweight
     n, num_words = qweight.shape
     k = num_words * 8
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     grid = (k // ROW_BLOCK, triton.cdiv(n, 64))
     _rows_dequant_kernel[grid](
-        qweight, qzeros, scales, out, n, qweight.stride(0), group_size, ZERO_OFFSET=zero_offset, BLOCK_N=64
-    )
+        qweight, weight.qzeros, weight.scales, out, n, qweight.stride(0), weight.group(k),
+        ZERO_OFFSET=weight.zero_offset, BLOCK_N=64,
+    )  # fmt: skip
     return out
 
 
-def int4_gemm_rows(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int,
-    zero_offset: int,
-    num_sms: int = 132,
-) -> torch.Tensor:
+def int4_gemm_rows(x: torch.Tensor, weight: Int4Weight, num_sms: int = 132) -> torch.Tensor:
     """x [M, K] @ a rows-layout INT4 weight -> [M, N] in x's dtype (semantics of
-    kernels.int4_reference.int4_gemm on rows_to_gptq(qweight)); group_size -1: one group."""
+    kernels/int4/reference.py's int4_gemm)."""
+    assert weight.layout == "rows" and weight.g_idx is None, (weight.layout, "act-order")
+    qweight, qzeros, scales, zero_offset = weight.qweight, weight.qzeros, weight.scales, weight.zero_offset
     x = x.contiguous()
     m, k = x.shape
     n, num_words = qweight.shape
     assert num_words * 8 == k and k % ROW_BLOCK == 0, (x.shape, qweight.shape)
-    group = k if group_size == -1 else group_size
+    group = weight.group(k)
     if m == 1:
-        return gemv_rows(x, qweight, qzeros, scales, None, group, zero_offset, pick_rows_config(n, k, num_sms))
+        return gemv_rows(x, weight, None, pick_rows_config(n, k, num_sms))
     if m > DEQUANT_MIN_ROWS:
-        return x @ dequantize_rows(qweight, qzeros, scales, group, zero_offset, x.dtype)
+        return x @ dequantize_rows(weight, x.dtype)
     block_m = 16 if m <= 16 else 64
     block_n = 64
     num_programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)

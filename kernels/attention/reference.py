@@ -1,10 +1,10 @@
-"""Torch references for every kernel: the definition each Triton kernel is tested against.
+"""Torch references for the attention kernels: the definition each Triton kernel is tested against.
 
 Written for clarity, not speed (loops over sequences). Shapes:
   kv_cache      [num_blocks, 2, block_size, num_kv_heads, head_dim]  (one layer)
   block_tables  [B, max_num_blocks] int32, padded with anything
   seq_lens      [B] int32: context length after this step (0 = padding, output zeros)
-  k_scale, v_scale  [1] fp32 (or floats): an fp8 cache's scales (kernels/fp8_kv.py); a
+  k_scale, v_scale  [1] fp32 (or floats): an fp8 cache's scales (kernels/attention/fp8_kv.py); a
                 cache of another dtype ignores them
 """
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_cluster.kernels.fp8_kv import dequantize, quantize
+from vllm_cluster.kernels.attention.fp8_kv import dequantize, quantize
+from vllm_cluster.kernels.elementwise.reference import rotary_embedding
 
 Scale = torch.Tensor | float | None
 
@@ -101,32 +102,6 @@ def write_kv_cache(
             kv_cache[slot // block_size, 1, slot % block_size] = quantize(value[t], v_scale, kv_cache.dtype)
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weight * rms_norm(x + residual), x + residual); x: [T, D]. Normalises in fp32,
-    scales in x's dtype, as HF transformers does."""
-    if residual is not None:
-        x = x + residual
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype), x
-
-
-def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half (NeoX/HF) rotary: q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2] fp32
-    (any scaling, llama3 included, is already in the tables)."""
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
-
-
 def rotary_write_kv_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -143,9 +118,3 @@ def rotary_write_kv_cache(
     q, k = rotary_embedding(q, k, cos, sin)
     write_kv_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     return q, k
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

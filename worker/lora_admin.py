@@ -9,7 +9,7 @@ import grpc
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.engine.errors import InvalidRequestError
 from vllm_cluster.proto import cluster_pb2 as pb
-from vllm_cluster.proto.rpc import abort
+from vllm_cluster.worker.rpc import abort
 
 
 def load_lora_adapter(loop: EngineLoop, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:

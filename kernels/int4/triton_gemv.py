@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels.semaphores import semaphores
-from vllm_cluster.kernels.triton_gemv import GEMV_MAX_ROWS
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear.triton_w8_gemv import GEMV_MAX_ROWS
+from vllm_cluster.kernels.sync.semaphores import semaphores
 
 # 2^23: 0x4B000000 | q read as fp32 is _MAGIC + q for q < 2^23.
 _MAGIC: tl.constexpr = tl.constexpr(8388608.0)
@@ -165,38 +166,31 @@ def pick_gemv_config(
 
 
 def gemv_int4(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    group_size: int,
-    layout: str,
-    zero_offset: int,
-    config: Int4GemvConfig,
+    x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, config: Int4GemvConfig
 ) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ INT4 W [K, N] (+ bias) -> [M, N] in x's dtype;
-    group_size: inputs per group (K for one group), a multiple of config.block_k."""
-    assert layout in ("gptq", "awq"), layout
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ a gptq or awq INT4 weight [K, N] of consecutive groups
+    (+ bias) -> [M, N] in x's dtype; its inputs per group a multiple of config.block_k."""
+    assert weight.layout in ("gptq", "awq") and weight.g_idx is None, (weight.layout, "act-order")
     x = x.contiguous()
     m, k = x.shape
-    n = scales.shape[1]
+    n = weight.scales.shape[1]
+    group_size = weight.group(k)
     assert m <= GEMV_MAX_ROWS and n % 8 == 0 and config.block_n % 8 == 0, (m, n, config)
     assert group_size % config.block_k == 0 or group_size >= k, (group_size, config.block_k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (m, triton.cdiv(n, config.block_n), config.split_k)
     workspace = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
     args = (
-        x, qweight, qzeros, scales, bias if bias is not None else scales, workspace,
+        x, weight.qweight, weight.qzeros, weight.scales, bias if bias is not None else weight.scales, workspace,
         semaphores("int4_gemv", x.device, m * grid[1]), y, m, n, k, x.stride(0), y.stride(0), group_size,
     )  # fmt: skip
     meta = dict(
         HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         num_warps=config.num_warps,
     )  # fmt: skip
-    if layout == "gptq":
-        _gptq_gemv_kernel[grid](*args, ZERO_OFFSET=zero_offset, **meta)
+    if weight.layout == "gptq":
+        _gptq_gemv_kernel[grid](*args, ZERO_OFFSET=weight.zero_offset, **meta)
     else:
-        assert zero_offset == 0, "AWQ stores zeros as they are"
+        assert weight.zero_offset == 0, "AWQ stores zeros as they are"
         _awq_gemv_kernel[grid](*args, **meta)
     return y

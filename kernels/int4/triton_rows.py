@@ -238,23 +238,22 @@ def packed_math(dtype: torch.dtype, group_size: int) -> bool:
 
 def gemv_rows(
     x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
+    weight: Int4Weight,
     bias: torch.Tensor | None,
-    group_size: int,
-    zero_offset: int,
     config: RowsGemvConfig,
-    pairs: bool = False,
     silu_mul: bool = False,
 ) -> torch.Tensor:
-    """x [1, K] @ a rows-layout INT4 weight (qweight [N, K/8]) (+ bias) -> [1, N] in x's dtype;
-    group_size: inputs per group (K for one group). pairs: the weight is in the pairs layout.
-    silu_mul: the weight is [gate | up] and the result silu(gate) * up, [1, N / 2], rounded as
-    `silu_and_mul` of the plain result (a program reads config.block_n / 2 outputs of each)."""
+    """x [1, K] @ a rows- or pairs-layout INT4 weight (qweight [N, K/8]) of consecutive groups
+    (+ bias) -> [1, N] in x's dtype. silu_mul: the weight is [gate | up] and the result
+    silu(gate) * up, [1, N / 2], rounded as `silu_and_mul` of the plain result (a program
+    reads config.block_n / 2 outputs of each)."""
+    assert weight.layout in ("rows", "pairs") and weight.g_idx is None, (weight.layout, "act-order")
+    qweight, qzeros, scales, zero_offset = weight.qweight, weight.qzeros, weight.scales, weight.zero_offset
+    pairs = weight.layout == "pairs"
     x = x.contiguous()
     n, num_words = qweight.shape
     k = num_words * 8
+    group_size = weight.group(k)
     assert x.shape == (1, k) and k % (ROW_BLOCK * config.unroll) == 0, (x.shape, qweight.shape, config)
     assert qweight.numel() < 2**31, "int32 offsets"
     assert not silu_mul or (n % 2 == 0 and config.block_n % 2 == 0), f"{n} rows are not [gate | up] ({config})"

@@ -34,7 +34,7 @@ import grpc
 
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.proto.rpc import CHANNEL_OPTIONS
+from vllm_cluster.worker.rpc import CHANNEL_OPTIONS
 
 
 class ClientError(Exception):

@@ -1,4 +1,8 @@
-"""The router's settings: the `router:` section of the cluster YAML."""
+"""The router's settings: the `router:` section of the cluster YAML.
+
+It lives below the services so that cluster/ validates a whole YAML file without importing
+the router; the router reads the same dataclass.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ from typing import Any
 
 from vllm_cluster.engine.config import build_section
 from vllm_cluster.engine.errors import ConfigError
-from vllm_cluster.router.policy import POLICIES, PrefixWeights
 
 FAILURE_POLICIES = ("recompute", "fail")
+# The routing policies router/policy.py implements (it checks that it implements exactly these).
+POLICIES = ("least_loaded", "round_robin", "power_of_two", "prefix_aware")
 
 
 @dataclass(slots=True)
@@ -53,10 +58,6 @@ class RouterConfig:
     @property
     def tls(self) -> tuple[Path, Path] | None:
         return (Path(self.tls_certfile), Path(self.tls_keyfile)) if self.tls_certfile else None
-
-    @property
-    def prefix_weights(self) -> PrefixWeights:
-        return PrefixWeights(self.prefix_weight_overlap, self.prefix_weight_usage, self.prefix_weight_load)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:

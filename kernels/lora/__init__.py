@@ -1,0 +1,2 @@
+"""Batched LoRA for a mixed batch (punica's shrink and expand); `dispatch` is what the engine
+calls."""
