@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml setup.py
 run: $(STAMP)
 	$(BIN)/python -m vllm_cluster.cluster.cli up -f configs/local.yaml --chat
 
-# The folders that install as vllm_cluster.<folder> (setup.py): every top-level package but tests.
-PACKAGES := $(filter-out tests,$(patsubst %/__init__.py,%,$(wildcard */__init__.py)))
+# The folders that install as vllm_cluster.<folder> (setup.py's FOLDERS): every top-level folder
+# holding Python but tests/ and benchmarks/.
+PACKAGES := $(filter-out tests benchmarks,$(sort $(foreach f,$(wildcard */*.py */*/*.py),$(firstword $(subst /, ,$(f))))))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,12 +1,12 @@
-"""Session 22's next design for the INT4 batch-1 GEMV, built and measured: weights staged in
-shared memory and read before the PDL wait, in Gluon (Triton 3.6's
-`triton.experimental.gluon`: explicit layouts and shared memory), against the production
-kernel (kernels/triton_int4_mma_gemv.py) in the same run. Both slower; kept as the record
-and as the Gluon port to start from (docs/benchmarks.md, session 23).
+"""A design for the INT4 batch-1 GEMV, built and measured: weights staged in shared memory
+and read before the PDL wait, in Gluon (Triton 3.6's `triton.experimental.gluon`: explicit
+layouts and shared memory), against the production kernel (kernels/int4/triton_mma_gemv.py)
+in the same run. Both variants are slower (docs/benchmarks.md, "Quantization"); the Gluon
+port is the place to start a Gluon kernel from.
 
-Session 22 measured on plain reads that a GEMV reading four steps of its weights before its
-PDL wait brings a 32-layer chain from 33.4 to 28.0-28.6 us a layer, but only while the
-kernel holds few registers. Here the steps ahead sit in shared memory, not registers
+On plain reads (benchmarks/bench_layer_stream.py), a GEMV reading four steps of its weights
+before its PDL wait brings a 32-layer chain from 33.4 to 28.0-28.6 us a layer, but only while
+the kernel holds few registers. Here the steps ahead sit in shared memory, not registers
 (benchmarks/gluon_int4_gemv.py says how): `tma:KB` a ring of TMA stages of at most KB a
 program, all issued before the wait; `cp:S` the production loop with S more steps copied by
 cp.async before the wait (`cp:0`: the Gluon port's control). Both with the production
@@ -32,8 +32,8 @@ import torch
 from benchmarks.bench_layer_stream import graph_ms
 from benchmarks.gluon_int4_gemv import GROUP, descriptor, gemv_cp, gemv_tma, stages_for
 from vllm_cluster.kernels import int4_reference
-from vllm_cluster.kernels.int4_rows import gptq_to_pairs, pairs_to_tiles
-from vllm_cluster.kernels.triton_int4_mma_gemv import MmaGemvConfig, gemv_pairs_mma, pick_mma_gemv_config
+from vllm_cluster.kernels.int4.layouts import gptq_to_pairs, pairs_to_tiles
+from vllm_cluster.kernels.int4.triton_mma_gemv import MmaGemvConfig, gemv_pairs_mma, pick_mma_gemv_config
 
 # llama-3.1-8b's projections, (K, N); gate_up plain (no SiLU), as both kernels run it here.
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}

@@ -1,10 +1,10 @@
 """The Gluon (Triton 3.6's `triton.experimental.gluon`: explicit layouts and shared memory)
 INT4 MMA GEMVs that benchmarks/bench_int4_gluon_gemv.py times against the production kernel
-(kernels/triton_int4_mma_gemv.py): its PTX (kernels/int4_mma_ptx.py) on fragments in an
+(kernels/int4/triton_mma_gemv.py): its PTX (kernels/int4/mma_ptx.py) on fragments in an
 explicit linear layout (`weight_layout`), one row of bf16 x, the tiles layout
-(kernels/int4_rows.py), K over a tile's warps with their sums meeting in shared memory; no
+(kernels/int4/layouts.py), K over a tile's warps with their sums meeting in shared memory; no
 split of K over programs, no SiLU, no norm epilogue. Two ways to read weights before the PDL
-wait without holding them in registers, both measured slower (docs/benchmarks.md, session 23):
+wait without holding them in registers, both measured slower (docs/benchmarks.md, "Quantization"):
   `gemv_tma`  a ring of TMA stages, every stage issued before the wait, each refilled once
               every warp has read it (Triton's barriers: three a step);
   `gemv_cp`   the production loop (a step's weights one step ahead in registers) with steps
@@ -23,8 +23,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from vllm_cluster.kernels.int4_mma_ptx import ASM, CONSTRAINTS
-from vllm_cluster.kernels.triton_int4_mma_gemv import MmaGemvConfig
+from vllm_cluster.kernels.int4.mma_ptx import ASM, CONSTRAINTS
+from vllm_cluster.kernels.int4.triton_mma_gemv import MmaGemvConfig
 
 GROUP = 128
 # Two 8-warp programs an SM at two blocks a step, as the production kernel runs o and down
