@@ -55,7 +55,9 @@ class ChatSession:
         return result
 
 
-def run_chat(session: ChatSession, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def run_chat(
+    session: ChatSession, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> int:
     """The loop: 0 when every turn was answered, 1 otherwise."""
     try:
         models = session.client.list_models()
@@ -82,7 +84,11 @@ def run_chat(session: ChatSession, stdin: TextIO = sys.stdin, out: TextIO = sys.
             continue
         except ClientError as e:
             num_failed += 1
-            hint = " (/clear starts a new chat)" if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(session.history) > 1 else ""
+            hint = (
+                " (/clear starts a new chat)"
+                if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(session.history) > 1
+                else ""
+            )
             print(f"error: {e}{hint}", file=err)
             continue
         print(usage_line(result), file=err)

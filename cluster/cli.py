@@ -207,7 +207,9 @@ def _serve(args: argparse.Namespace) -> int:
         with Client(cluster.router_address, api_key=api_key) as client:
             print(f">>> {args.once}")
             result = Completion("")
-            for piece in client.stream(chat=[{"role": "user", "content": args.once}], max_tokens=args.max_tokens, temperature=0):
+            for piece in client.stream(
+                chat=[{"role": "user", "content": args.once}], max_tokens=args.max_tokens, temperature=0
+            ):
                 print(piece.text, end="", flush=True)
                 result.add(piece)
         from vllm_cluster.cluster.up import timings_line

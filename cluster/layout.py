@@ -149,7 +149,9 @@ def check_engine_roles(deployment: Deployment) -> None:
             deployment.engine_for(role).with_overrides(role=role)
         except ConfigError as e:
             key = deployment.parallel_key(role, "tensor_parallel_size")
-            raise deployment.error(key, f"cluster.{role}: {e}", deployment.parallel_key(role, "pipeline_parallel_size")) from None
+            raise deployment.error(
+                key, f"cluster.{role}: {e}", deployment.parallel_key(role, "pipeline_parallel_size")
+            ) from None
 
 
 def check_model_split(deployment: Deployment) -> None:
@@ -171,7 +173,9 @@ def check_model_split(deployment: Deployment) -> None:
         except ConfigError as e:
             if str(e).startswith("enable_expert_parallel"):
                 key = "engine.parallel.enable_expert_parallel"
-                raise deployment.error(key, f"{key}: {e}", deployment.parallel_key(role, "tensor_parallel_size")) from None
+                raise deployment.error(
+                    key, f"{key}: {e}", deployment.parallel_key(role, "tensor_parallel_size")
+                ) from None
             which = "tensor_parallel_size" if str(e).startswith("tensor") else "pipeline_parallel_size"
             key = deployment.parallel_key(role, which)
             raise deployment.error(key, f"{key}: {e}") from None

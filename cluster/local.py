@@ -89,8 +89,12 @@ class LocalCluster:
             workers += [self._spawn(f"decode-{i}", "decode_service") for i in range(self.config.num_decode)]
             for process in workers:
                 self._wait_ready(process)
-            self.prefill_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("prefill")]
-            self.decode_addresses = [f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("decode")]
+            self.prefill_addresses = [
+                f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("prefill")
+            ]
+            self.decode_addresses = [
+                f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("decode")
+            ]
             args = ["--port", str(self.router_port), "--http-port", str(self.http_port)]
             if self.redis_url:
                 args += ["--redis-url", self.redis_url]
@@ -152,7 +156,10 @@ class LocalCluster:
         ready = self.log_dir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", f"vllm_cluster.{module}", "--config", str(self.config_path), "--ready-file", str(ready)]
+        cmd = [
+            sys.executable, "-m", f"vllm_cluster.{module}",
+            "--config", str(self.config_path), "--ready-file", str(ready),
+        ]
         if module != "router":
             cmd += ["--name", name, "--host", self.config.host, "--kv-host", self.config.host,
                     "--transport", self.config.transport]
@@ -194,6 +201,8 @@ class LocalCluster:
                 tail = process.log_file.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{process.name} exited with {process.popen.returncode} while starting:\n{tail}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{process.name} not ready after {self.config.startup_timeout_s}s; see {process.log_file}")
+                raise TimeoutError(
+                    f"{process.name} not ready after {self.config.startup_timeout_s}s; see {process.log_file}"
+                )
             time.sleep(0.1)
         process.info = json.loads(process.ready_file.read_text())

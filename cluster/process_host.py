@@ -122,7 +122,9 @@ class ProcessHost:
     def _wait_ready(self, ready_file: Path) -> str:
         assert self.popen is not None
         deadline = time.monotonic() + self.spec.startup_timeout_s
-        while not (_port_open(node_ip_address(), self.spec.ready_port) if self.spec.ready_port else ready_file.exists()):
+        while not (
+            _port_open(node_ip_address(), self.spec.ready_port) if self.spec.ready_port else ready_file.exists()
+        ):
             if self.popen.poll() is not None:
                 return f"{self.spec.name} exited with {self.popen.returncode} while starting:\n{self.tail_bytes()}"
             if time.monotonic() > deadline:

@@ -64,19 +64,27 @@ def status_main(args: argparse.Namespace) -> int:
     else:
         print(f"cluster {state.name!r}: router {state.router_address} ({state.http_address}), "
               f"Ray {state.ray_address}, logs {state.log_dir}")
-        print(f"{'INSTANCE':<12}{'ROLE':<9}{'ADDRESS':<24}{'PID':>8}  {'HEALTH':<12}{'RUNNING':>8}{'WAITING':>8}{'KV USAGE':>10}")
+        print(
+            f"{'INSTANCE':<12}{'ROLE':<9}{'ADDRESS':<24}{'PID':>8}  "
+            f"{'HEALTH':<12}{'RUNNING':>8}{'WAITING':>8}{'KV USAGE':>10}"
+        )
         for s in statuses:
             health = "SERVING" if s.healthy else ("NOT_SERVING" if s.alive else "DEAD")
             load = [_num(s.num_running), _num(s.num_waiting),
                     "-" if s.kv_cache_usage is None else f"{100 * s.kv_cache_usage:.1f}%"]
-            print(f"{s.name:<12}{s.role:<9}{s.address:<24}{s.pid:>8}  {health:<12}{load[0]:>8}{load[1]:>8}{load[2]:>10}")
+            print(
+                f"{s.name:<12}{s.role:<9}{s.address:<24}{s.pid:>8}  "
+                f"{health:<12}{load[0]:>8}{load[1]:>8}{load[2]:>10}"
+            )
     return 0 if all(s.alive and s.healthy for s in statuses) else 1
 
 
 def probe(record: ProcessRecord, token: str) -> InstanceStatus:
     alive = record.process.alive() if record.node_ip in ("", "127.0.0.1") else True
     if record.role == "redis":
-        return InstanceStatus(record.name, record.role, record.address, record.process.pid, alive, alive and _redis_ok(record.address))
+        return InstanceStatus(
+            record.name, record.role, record.address, record.process.pid, alive, alive and _redis_ok(record.address)
+        )
     channel = make_channel(record.address, token)
     try:
         healthy = check_health(channel, timeout_s=2.0)

@@ -157,7 +157,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         if problem is not None:  # the router polls this: it stops sending here
             abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         stats = self._loop.stats()
-        return worker_stats_to_proto(stats, "decode", self._layout.block_size, self._layout.model, self._receiver.endpoint)
+        return worker_stats_to_proto(
+            stats, "decode", self._layout.block_size, self._layout.model, self._receiver.endpoint
+        )
 
     def LoadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
         return load_lora_adapter(self._loop, msg, context)

@@ -176,7 +176,11 @@ class ReceiveTable:
     def end_chunk(self, header: kv_transfer_pb2.KVChunkHeader, landed: bool) -> None:
         """End the flight begun by `begin_chunk` (which returned a view)."""
         start, end = header.dst_block_start, header.dst_block_start + header.num_blocks
-        corrupt = landed and header.HasField("crc32") and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
+        corrupt = (
+            landed
+            and header.HasField("crc32")
+            and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
+        )
         with self._cond:
             incoming = self._incoming.get(header.transfer_id)
             if incoming is None:  # evicted as one of the oldest finished transfers

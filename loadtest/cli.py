@@ -196,8 +196,11 @@ def _serve_once(
     model = args.model or _server_model(args)
     schedule = Schedule(rate, args.burstiness, max_concurrency, args.use_trace_timestamps, args.num_warmups, args.seed)
     where = args.address if args.backend == "grpc" else args.base_url
-    print(f"sending {len(requests)} requests to {where} ({args.backend}, {model}) at {_rate_tag(rate, max_concurrency)}",
-          flush=True)
+    print(
+        f"sending {len(requests)} requests to {where} ({args.backend}, {model}) "
+        f"at {_rate_tag(rate, max_concurrency)}",
+        flush=True,
+    )
     outcome = asyncio.run(run(make_target(args, model), requests, schedule, progress=not args.disable_tqdm))
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
     goodput = parse_goodput(args.goodput) if args.goodput else None
@@ -245,10 +248,16 @@ def _sweep(args: argparse.Namespace, requests: list[SampleRequest]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(rows, indent=2))
     png = plot_sweep(rows, out / "sweep.png")
-    print(f"\n{'point':>14} {'req/s':>8} {'out tok/s':>10} {'p50 ttft':>9} {'p99 ttft':>9} {'p50 itl':>8} {'p99 itl':>8}")
+    print(
+        f"\n{'point':>14} {'req/s':>8} {'out tok/s':>10} "
+        f"{'p50 ttft':>9} {'p99 ttft':>9} {'p50 itl':>8} {'p99 itl':>8}"
+    )
     for (rate, concurrency), row in zip(points, rows, strict=False):
-        print(f"{_rate_tag(rate, concurrency):>14} {row['request_throughput']:8.2f} {row['output_throughput']:10.1f} "
-              f"{row['median_ttft_ms']:9.1f} {row['p99_ttft_ms']:9.1f} {row['median_itl_ms']:8.1f} {row['p99_itl_ms']:8.1f}")
+        print(
+            f"{_rate_tag(rate, concurrency):>14} {row['request_throughput']:8.2f} {row['output_throughput']:10.1f} "
+            f"{row['median_ttft_ms']:9.1f} {row['p99_ttft_ms']:9.1f} "
+            f"{row['median_itl_ms']:8.1f} {row['p99_itl_ms']:8.1f}"
+        )
     print(f"sweep: {out / 'sweep.json'}, plot: {png}")
     return 0
 

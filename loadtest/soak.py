@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from vllm_cluster.client import Client, ClientError
 from vllm_cluster.proto import cluster_pb2 as pb
 
-WORDS = ["the", "a", "sea", "light", "keeper", "storm", "ship", "night", "wave", "rock", "north", "wind", "lamp", "harbor", "tide", "gull"]
+WORDS = [
+    "the", "a", "sea", "light", "keeper", "storm", "ship", "night",
+    "wave", "rock", "north", "wind", "lamp", "harbor", "tide", "gull",
+]
 CLEAN_ERRORS = {"CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
 
 
@@ -57,7 +60,9 @@ def soak(
     lock = threading.Lock()
     start = time.monotonic()
     with Client(router_address, timeout_s=300) as client, ThreadPoolExecutor(concurrency) as pool:
-        for outcome, recomputed in pool.map(lambda i: _one(client, random.Random(seed * 100_003 + i)), range(num_requests)):
+        for outcome, recomputed in pool.map(
+            lambda i: _one(client, random.Random(seed * 100_003 + i)), range(num_requests)
+        ):
             with lock:
                 report.outcomes[outcome] += 1
                 report.num_recomputed += recomputed

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         prefix_index = PrefixIndex(config.redis_url, engine_config.model.model, config.prefix_index_timeout_s)
     context_len = max_model_len(engine_config, ModelArchConfig.from_hf_dict(source.hf_config).max_position_embeddings)
     servicer = RouterServicer(
-        config, registry, tokenizer, engine_config.model.model, context_len, engine_config.cache.block_size, prefix_index,
+        config, registry, tokenizer, engine_config.model.model, context_len, engine_config.cache.block_size,
+        prefix_index,
     )
     port = config.port if args.port is None else args.port
     # The client API is the public side: no cluster token, the API key when one is configured.
@@ -69,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         loopback = server.add_insecure_port("127.0.0.1:0")
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     server.start()
-    serving = OpenAIServing(RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len)
+    serving = OpenAIServing(
+        RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len
+    )
     draining = threading.Event()
     http = _start_http(config, args, serving, servicer, registry, api_key, draining)
     log = logging.getLogger(__name__)

@@ -40,9 +40,13 @@ class LoRAAdapters:
 
     def load(self, name: str, path: str) -> None:
         if not name or not path:
-            raise LoRAAdapterCallError(grpc.StatusCode.INVALID_ARGUMENT, "Both 'lora_name' and 'lora_path' must be provided.")
+            raise LoRAAdapterCallError(
+                grpc.StatusCode.INVALID_ARGUMENT, "Both 'lora_name' and 'lora_path' must be provided."
+            )
         if name in self.known():
-            raise LoRAAdapterCallError(grpc.StatusCode.INVALID_ARGUMENT, f"The lora adapter '{name}' has already been loaded.")
+            raise LoRAAdapterCallError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"The lora adapter '{name}' has already been loaded."
+            )
         self._fan_out("LoadLoRAAdapter", pb.LoRAAdapterRequest(lora_name=name, lora_path=path))
         with self._lock:
             self._loaded.add(name)

@@ -89,8 +89,12 @@ class Placement:
                               f"every decode instance is full and {self._admission.num_queued} requests are queued; "
                               "retry later")
                 if time.monotonic() >= deadline:
-                    abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"no decode instance had room within {self._config.queue_timeout_s:g}s ({'; '.join(full)}); retry later")
+                    abort(
+                        context,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"no decode instance had room within {self._config.queue_timeout_s:g}s "
+                        f"({'; '.join(full)}); retry later",
+                    )
                 if handoff.state == HandoffState.ABORTED:
                     end_aborted(context, handoff)
                 self._admission.wait_for_room(deadline - time.monotonic())
@@ -123,7 +127,9 @@ class Placement:
                 else:
                     full.append(f"{name}: {e.details()}")
                 continue
-            handoff.on_abort(partial(instance.stub.Release, pb.ReleaseRequest(request_id=request.request_id), timeout=5.0))
+            handoff.on_abort(
+                partial(instance.stub.Release, pb.ReleaseRequest(request_id=request.request_id), timeout=5.0)
+            )
             if not handoff.advance(HandoffState.RESERVED):
                 self._registry.release(instance)
                 end_aborted(context, handoff)

@@ -73,7 +73,9 @@ class Registry:
     def of_role(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
-    def loads(self, role: str, overlap: dict[str, int] | None = None, lora_name: str | None = None) -> list[InstanceLoad]:
+    def loads(
+        self, role: str, overlap: dict[str, int] | None = None, lora_name: str | None = None
+    ) -> list[InstanceLoad]:
         """`overlap`: prefix-index id -> leading blocks of the prompt it holds."""
         overlap = overlap or {}
         with self._lock:

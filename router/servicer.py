@@ -107,7 +107,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
         handoff = Handoff(request.request_id)
         with self._lock:
             if request.request_id in self._active:
-                abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request id {request.request_id!r} is in flight: use a unique id")
+                abort(
+                    context,
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request id {request.request_id!r} is in flight: use a unique id",
+                )
             self._active[request.request_id] = handoff
         context.add_callback(lambda: handoff.abort("the client went away"))
         timer = None
@@ -253,7 +257,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     abort(context, e.code(), e.details())
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._registry.mark_unhealthy(instance)
-                return self._prefill_failed(handoff, timings, context, f"{instance.name}: {e.code().name} {e.details()}")
+                return self._prefill_failed(
+                    handoff, timings, context, f"{instance.name}: {e.code().name} {e.details()}"
+                )
         finally:
             self._registry.release(instance)
         timings.prefill_queue_s = reply.queue_s
@@ -262,7 +268,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
         timings.num_kv_blocks_sent = reply.num_blocks_sent
         timings.prefill_cached_tokens = reply.num_cached_tokens
         if reply.transfer_status not in (pb.TRANSFER_DONE, pb.TRANSFER_SKIPPED):
-            return self._prefill_failed(handoff, timings, context, f"{instance.name}: KV transfer failed: {reply.transfer_error}")
+            return self._prefill_failed(
+                handoff, timings, context, f"{instance.name}: KV transfer failed: {reply.transfer_error}"
+            )
         if not handoff.advance(HandoffState.TRANSFERRED):
             end_aborted(context, handoff)
         return reply.first_token
@@ -339,7 +347,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
             request_id=msg.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt,
             sampling_params=msg.sampling_params,
-            extra_keys=([msg.tenant_salt] if msg.tenant_salt else []) + ([lora_extra_key(lora_name)] if lora_name else []),
+            extra_keys=(
+                ([msg.tenant_salt] if msg.tenant_salt else []) + ([lora_extra_key(lora_name)] if lora_name else [])
+            ),
             lora_name=lora_name,
         )
 

@@ -12,7 +12,9 @@ from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.worker.rpc import abort
 
 
-def load_lora_adapter(loop: EngineLoop, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+def load_lora_adapter(
+    loop: EngineLoop, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext
+) -> pb.LoRAAdapterResponse:
     if not msg.lora_name or not msg.lora_path:
         abort(context, grpc.StatusCode.INVALID_ARGUMENT, "LoadLoRAAdapter needs lora_name and lora_path")
     try:
@@ -22,7 +24,9 @@ def load_lora_adapter(loop: EngineLoop, msg: pb.LoRAAdapterRequest, context: grp
     return pb.LoRAAdapterResponse(changed=changed)
 
 
-def unload_lora_adapter(loop: EngineLoop, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
+def unload_lora_adapter(
+    loop: EngineLoop, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext
+) -> pb.LoRAAdapterResponse:
     try:
         changed = loop.call(lambda core: core.remove_lora(msg.lora_name))
     except InvalidRequestError as e:

@@ -63,7 +63,9 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"router.policy: {self.policy!r} is not one of {POLICIES}")
         if self.on_transfer_failure not in FAILURE_POLICIES:
-            raise ConfigError(f"router.on_transfer_failure: {self.on_transfer_failure!r} is not one of {FAILURE_POLICIES}")
+            raise ConfigError(
+                f"router.on_transfer_failure: {self.on_transfer_failure!r} is not one of {FAILURE_POLICIES}"
+            )
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router.{name} must be a TCP port (0 picks a free one)")
@@ -82,7 +84,10 @@ class RouterConfig:
             raise ConfigError("router.max_migrations must be >= 0 (0: no migration)")
         if self.min_prefill_tokens < 0:
             raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
-        for name in ("drain_grace_s", "lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s", "prefix_index_timeout_s"):
+        for name in (
+            "drain_grace_s", "lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s",
+            "prefix_index_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0")
 

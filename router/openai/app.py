@@ -70,7 +70,9 @@ def build_app(
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         where = ".".join(loc)
-        message = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", "invalid request body"))
+        message = (
+            f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", "invalid request body"))
+        )
         return error_response(ApiError(400, message, where or None))
 
     @app.exception_handler(StarletteHTTPException)
@@ -81,7 +83,9 @@ def build_app(
     async def _unexpected(request: Request, e: Exception) -> Response:
         request_id = _request_id(request)
         logger.exception("unexpected error serving %s (request %s)", request.url.path, request_id)
-        return error_response(ApiError(500, f"internal server error; the server log has the details (request id {request_id})"))
+        return error_response(
+            ApiError(500, f"internal server error; the server log has the details (request id {request_id})")
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -198,7 +202,12 @@ class _Guard:
         if self._expected is not None and scope["path"] != "/health":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                await _send_error(ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`"), scope, receive, send_with_id)
+                await _send_error(
+                    ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`"),
+                    scope,
+                    receive,
+                    send_with_id,
+                )
                 return
         length = headers.get(b"content-length")
         too_large = ApiError(413, f"the request body is larger than {self._max_bytes} bytes; send a smaller one")

@@ -36,6 +36,8 @@ def completion_logprobs(tokenizer: Any, logprobs: list[pb.TokenLogprob], offset:
     return {
         "tokens": tokens,
         "token_logprobs": [max(lp.logprob, _MIN_LOGPROB) for lp in logprobs],
-        "top_logprobs": [{token_text(tokenizer, t.token_id): max(t.logprob, _MIN_LOGPROB) for t in lp.top} for lp in logprobs],
+        "top_logprobs": [
+            {token_text(tokenizer, t.token_id): max(t.logprob, _MIN_LOGPROB) for t in lp.top} for lp in logprobs
+        ],
         "text_offset": offsets,
     }

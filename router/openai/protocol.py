@@ -91,7 +91,9 @@ class _SamplingFields(_Request):
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported; use n", "best_of")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("structured output (response_format) is not supported; use type 'text'", "response_format")
+            raise bad_request(
+                "structured output (response_format) is not supported; use type 'text'", "response_format"
+            )
         for name in ("guided_json", "guided_regex", "guided_choice"):
             if getattr(self, name) is not None:
                 raise bad_request(f"{name} (structured output) is not supported; drop it", name)
@@ -198,7 +200,9 @@ class ChatMessage(_Request):
         texts = []
         for part in self.content:
             if part.type not in ("text", "input_text", "output_text") or part.text is None:
-                raise bad_request(f"content part of type {part.type!r} is not supported: this model reads text only", "messages")
+                raise bad_request(
+                    f"content part of type {part.type!r} is not supported: this model reads text only", "messages"
+                )
             texts.append(part.text)
         return "".join(texts)
 
@@ -249,7 +253,10 @@ class ResponsesRequest(_Request):
         if self.tools:
             raise bad_request("tools are not supported by this server; drop them", "tools")
         if self.previous_response_id:
-            raise bad_request("previous_response_id is not supported: responses are not stored; send the whole input", "previous_response_id")
+            raise bad_request(
+                "previous_response_id is not supported: responses are not stored; send the whole input",
+                "previous_response_id",
+            )
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         if isinstance(self.input, str):
             messages.append(ChatMessage(role="user", content=self.input))

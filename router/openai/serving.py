@@ -40,7 +40,14 @@ def sse(data: Any) -> str:
 
 def error_body(e: ApiError) -> dict[str, Any]:
     """vLLM's envelope."""
-    return {"error": {"message": scrub(e.message), "type": _ERROR_TYPES.get(e.status, "InternalServerError"), "param": e.param, "code": e.status}}
+    return {
+        "error": {
+            "message": scrub(e.message),
+            "type": _ERROR_TYPES.get(e.status, "InternalServerError"),
+            "param": e.param,
+            "code": e.status,
+        }
+    }
 
 
 _ERROR_TYPES = {
@@ -112,13 +119,17 @@ class OpenAIServing:
             "usage": self._usage(job),
         }
 
-    async def _completion_chunks(self, job: _Job, body: CompletionRequest, pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[str, None]:
+    async def _completion_chunks(
+        self, job: _Job, body: CompletionRequest, pieces: AsyncGenerator[Piece, None]
+    ) -> AsyncGenerator[str, None]:
         offsets = [0] * len(job.choices)
         async with aclosing(pieces):
             async for piece in pieces:
                 r = piece.response
-                choice: dict[str, Any] = {"index": piece.index, "text": r.text, "finish_reason": r.finish_reason or None,
-                                          "stop_reason": r.stop_reason or None, "logprobs": None}
+                choice: dict[str, Any] = {
+                    "index": piece.index, "text": r.text, "finish_reason": r.finish_reason or None,
+                    "stop_reason": r.stop_reason or None, "logprobs": None,
+                }
                 if body.logprobs is not None:
                     choice["logprobs"] = completion_logprobs(self.tokenizer, list(r.logprobs), offsets[piece.index])
                     offsets[piece.index] += len(r.text)
@@ -147,7 +158,9 @@ class OpenAIServing:
             "usage": self._usage(job),
         }
 
-    async def _chat_chunks(self, job: _Job, body: ChatCompletionRequest, pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[str, None]:
+    async def _chat_chunks(
+        self, job: _Job, body: ChatCompletionRequest, pieces: AsyncGenerator[Piece, None]
+    ) -> AsyncGenerator[str, None]:
         started = [False] * len(job.choices)
         async with aclosing(pieces):
             async for piece in pieces:
@@ -173,7 +186,9 @@ class OpenAIServing:
         prompt = self._encode_chat(chat.chat(), True)
         job = self._job(f"resp_{request_id}", chat, [prompt], params)
         if body.stream:
-            return await self._start_stream(job, lambda pieces: self._response_events(job, body, pieces), done_marker=False)
+            return await self._start_stream(
+                job, lambda pieces: self._response_events(job, body, pieces), done_marker=False
+            )
         await self._collect(job)
         return self._response_object(job, body, "completed")
 
@@ -186,9 +201,11 @@ class OpenAIServing:
                 status = "incomplete"
         usage = None
         if c.usage is not None:
-            usage = {"input_tokens": c.usage.prompt_tokens, "input_tokens_details": {"cached_tokens": c.usage.cached_tokens},
-                     "output_tokens": c.usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens}
+            usage = {
+                "input_tokens": c.usage.prompt_tokens, "input_tokens_details": {"cached_tokens": c.usage.cached_tokens},
+                "output_tokens": c.usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens,
+            }
         return {
             "id": job.id, "object": "response", "created_at": job.created, "status": status, "model": job.model,
             "output": output, "usage": usage, "error": None,
@@ -199,16 +216,21 @@ class OpenAIServing:
         }
 
     def _response_message(self, job: _Job, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        content = (
+            [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        )
         return {"id": f"msg_{job.id[5:]}", "type": "message", "role": "assistant", "status": status, "content": content}
 
-    async def _response_events(self, job: _Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None]) -> AsyncGenerator[str, None]:
+    async def _response_events(
+        self, job: _Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None]
+    ) -> AsyncGenerator[str, None]:
         seq = 0
 
         def event(kind: str, **data: Any) -> str:
             nonlocal seq
             seq += 1
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data}, ensure_ascii=False)}\n\n"
+            payload = json.dumps({"type": kind, "sequence_number": seq - 1, **data}, ensure_ascii=False)
+            return f"event: {kind}\ndata: {payload}\n\n"
 
         item_id = f"msg_{job.id[5:]}"
         where = {"item_id": item_id, "output_index": 0, "content_index": 0}
@@ -289,7 +311,9 @@ class OpenAIServing:
                     request.sampling_params.seed = params.seed + j  # n samples, reproducible, not identical
                 requests.append(request)
         choices = [_Choice(k) for k in range(len(requests))]
-        return _Job(job_id, int(time.time()), requests, [len(p) for p in prompts], body.n, choices, model or self.model_name)
+        return _Job(
+            job_id, int(time.time()), requests, [len(p) for p in prompts], body.n, choices, model or self.model_name
+        )
 
     def _check_context(self, prompt: list[int], params: pb.SamplingParams) -> None:
         if not prompt:

@@ -70,11 +70,16 @@ def assert_blocks_return(cluster: LocalCluster, timeout_s: float = 20.0) -> None
     deadline = time.monotonic() + timeout_s
     while True:
         stats = [s.Stats(pb.StatsRequest(), timeout=5) for s in stubs]  # type: ignore[attr-defined]
-        busy = [(s.role, s.num_free_blocks, s.num_total_blocks, s.num_running, s.num_waiting, s.num_transferring)
-                for s in stats if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_waiting or s.num_transferring]
+        busy = [
+            (s.role, s.num_free_blocks, s.num_total_blocks, s.num_running, s.num_waiting, s.num_transferring)
+            for s in stats
+            if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_waiting or s.num_transferring
+        ]
         if not busy:
             return
-        assert time.monotonic() < deadline, f"blocks not returned (role, free, total, running, waiting, transferring): {busy}"
+        assert time.monotonic() < deadline, (
+            f"blocks not returned (role, free, total, running, waiting, transferring): {busy}"
+        )
         time.sleep(0.2)
 
 

@@ -39,8 +39,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "vllm_cluster.cluster.cli", "bench", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_cluster.cluster.cli", "bench", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
 
 
 def _check_result(result: dict[str, Any], num: int) -> None:
@@ -74,11 +76,15 @@ def test_serve(cluster: LocalCluster, tmp_path: Path, backend: str) -> None:
 
 def test_serve_mooncake_trace_with_timestamps(cluster: LocalCluster, tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": i * 100, "input_length": 40, "output_length": 6, "hash_ids": [1, 2 + i % 2]} for i in range(6)]
+    rows = [
+        {"timestamp": i * 100, "input_length": 40, "output_length": 6, "hash_ids": [1, 2 + i % 2]} for i in range(6)
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = _bench("serve", "--address", cluster.router_address, "--dataset-name", "mooncake", "--dataset-path", str(trace),
-                 "--mooncake-block-size", "32", "--num-prompts", "6", "--use-trace-timestamps", "--disable-tqdm",
-                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", "m.json")
+    run = _bench(
+        "serve", "--address", cluster.router_address, "--dataset-name", "mooncake", "--dataset-path", str(trace),
+        "--mooncake-block-size", "32", "--num-prompts", "6", "--use-trace-timestamps", "--disable-tqdm",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "m.json",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "m.json").read_text())
     assert result["completed"] == 6 and result["duration"] >= 0.5  # the trace spans 0.5 s

@@ -155,7 +155,9 @@ def test_abort_and_disconnect_free_blocks(cluster: LocalCluster, client: Client)
 
     def consume() -> None:
         try:
-            pieces.extend(client.stream(text="Another long story.", request_id="abort-me", max_tokens=400, ignore_eos=True))
+            pieces.extend(
+                client.stream(text="Another long story.", request_id="abort-me", max_tokens=400, ignore_eos=True)
+            )
         except ClientError as e:
             errors.append(e)
 
@@ -245,8 +247,8 @@ def test_policy_fail_fails_cleanly_without_prefill(cluster: LocalCluster, tmp_pa
     ready = tmp_path / "router.json"
     env = {**os.environ, TOKEN_ENV: cluster.token}
     router = subprocess.Popen(
-        [sys.executable, "-m", "vllm_cluster.router", "--config", str(config), "--port", "0", "--ready-file", str(ready),
-         "--prefill", "127.0.0.1:9", "--decode", cluster.decode_addresses[0]],
+        [sys.executable, "-m", "vllm_cluster.router", "--config", str(config), "--port", "0",
+         "--ready-file", str(ready), "--prefill", "127.0.0.1:9", "--decode", cluster.decode_addresses[0]],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

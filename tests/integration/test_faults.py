@@ -93,7 +93,8 @@ def test_pickles_and_garbage_on_every_listener_are_refused(cluster: LocalCluster
                                                            tmp_path: Path) -> None:
     marker = tmp_path / "unpickled"
     payloads = [pickle.dumps(_Evil(marker)), random.Random(0).randbytes(64 * 1024), b"\x00" * 4096,
-                b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/python-pickle\r\nContent-Length: 70\r\n\r\n"
+                b"POST /v1/completions HTTP/1.1\r\n"
+                b"Content-Type: application/python-pickle\r\nContent-Length: 70\r\n\r\n"
                 + pickle.dumps(_Evil(marker))[:70]]
     listeners = _listeners(cluster)
     assert len(listeners) >= 9, listeners

@@ -137,7 +137,9 @@ def test_resource_exhausted_when_decode_is_full(cluster: LocalCluster, client: C
     held: list[str] = []
     try:
         for i in range(8):
-            request = pb.WorkerRequest(request_id=f"hold-{i}", prompt_token_ids=range(1 + i * num_tokens, 1 + (i + 1) * num_tokens))
+            request = pb.WorkerRequest(
+                request_id=f"hold-{i}", prompt_token_ids=range(1 + i * num_tokens, 1 + (i + 1) * num_tokens)
+            )
             try:
                 decode.Reserve(pb.ReserveRequest(request=request, lease_s=120), timeout=30)
             except grpc.RpcError as rpc_error:
@@ -247,8 +249,8 @@ def test_chat_without_the_api_key_says_so(cluster: LocalCluster) -> None:
 
 def test_chat_ctrl_c_cancels_the_reply_and_chat_goes_on(cluster: LocalCluster) -> None:
     chat = subprocess.Popen(
-        [sys.executable, "-m", "vllm_cluster.cluster.cli", "chat", "--address", cluster.router_address, "--api-key", API_KEY,
-         "--temperature", "0", "--max-tokens", "400"],
+        [sys.executable, "-m", "vllm_cluster.cluster.cli", "chat", "--address", cluster.router_address,
+         "--api-key", API_KEY, "--temperature", "0", "--max-tokens", "400"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # A shell's background job (CI under `&`) starts with SIGINT ignored, and Python keeps
         # an ignored SIGINT: give the chat a terminal's default, as a user's would have.
@@ -291,7 +293,8 @@ _FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     sampling=st.fixed_dictionaries({}, optional={
-        "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT32, "min_p": _FLOAT, "seed": st.integers(-(2**63), 2**63 - 1),
+        "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT32, "min_p": _FLOAT,
+        "seed": st.integers(-(2**63), 2**63 - 1),
         "min_tokens": _INT32, "logprobs": _INT32, "presence_penalty": _FLOAT, "frequency_penalty": _FLOAT,
         "repetition_penalty": _FLOAT, "stop": st.lists(st.text(max_size=3), max_size=3),
         "stop_token_ids": st.lists(st.integers(min_value=-5, max_value=2**31 - 1), max_size=3),

@@ -33,7 +33,10 @@ MAX_TOKENS = 8
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     arch = ModelArchConfig.from_hf_dict(resolve(ModelConfig()).hf_config)
     root = tmp_path_factory.mktemp("adapters")
-    return {name: str(write_adapter(root / name, arch, rank=8, seed=seed, std=0.02)) for seed, name in enumerate(["boot", "late"])}
+    return {
+        name: str(write_adapter(root / name, arch, rank=8, seed=seed, std=0.02))
+        for seed, name in enumerate(["boot", "late"])
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,9 @@ def _post(cluster: LocalCluster, route: str, body: dict[str, Any]) -> tuple[int,
 
 
 def _complete(cluster: LocalCluster, model: str) -> tuple[int, Any]:
-    return _post(cluster, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+    return _post(
+        cluster, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    )
 
 
 def test_adapters_served_as_offline(cluster: LocalCluster, adapters: dict[str, str]) -> None:

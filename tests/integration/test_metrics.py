@@ -91,7 +91,9 @@ def test_counters_move_with_the_requests(cluster: LocalCluster) -> None:
     assert _delta(before, after, "decode", "vllm:generation_tokens_total") == num_generated - len(PROMPTS)
     assert _delta(before, after, "prefill", "vllm:request_success_total") == len(PROMPTS)
     for reason in set(reasons):
-        assert _delta(before, after, "decode", "vllm:request_success_total", finished_reason=reason) == reasons.count(reason)
+        assert _delta(
+            before, after, "decode", "vllm:request_success_total", finished_reason=reason
+        ) == reasons.count(reason)
     num_pushes = sum(1 for t in timings if t.num_kv_blocks_sent > 0)
     assert _delta(before, after, "prefill", "vllm_cluster:kv_push_seconds_count") == num_pushes
     assert _delta(before, after, "prefill", "vllm_cluster:kv_push_bytes_total") > 0

@@ -97,14 +97,18 @@ def test_n_choices_streamed(client: Any) -> None:
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] += choice.text
-    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0.8, seed=7, n=2)
+    whole = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0.8, seed=7, n=2
+    )
     assert texts == {c.index: c.text for c in whole.choices}
 
 
 def test_batched_prompts(client: Any) -> None:
     prompts = ["The capital of France is", "1, 2, 3,"]
     reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0)
-    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0).choices[0].text for p in prompts]
+    singles = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0).choices[0].text for p in prompts
+    ]
     assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == singles
 
 
@@ -121,7 +125,9 @@ def test_chat_logprobs(client: Any) -> None:
 
 
 def test_completion_logprobs(client: Any) -> None:
-    reply = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2)
+    reply = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+    )
     lp = reply.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     assert "".join(lp.tokens) == reply.choices[0].text
@@ -144,7 +150,9 @@ def test_cached_tokens_reported(client: Any) -> None:
 
 
 def test_responses_api(client: Any) -> None:
-    reply = client.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=12, temperature=0)
+    reply = client.responses.create(
+        model=MODEL, input="What is the capital of France?", max_output_tokens=12, temperature=0
+    )
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     assert reply.output_text == chat.choices[0].message.content
     assert reply.usage.output_tokens == chat.usage.completion_tokens

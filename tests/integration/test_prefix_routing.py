@@ -50,7 +50,9 @@ def _published(time_s: float = 0.5) -> None:
 def test_requests_follow_their_prefix(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
     questions = [f"Question {i}: name a prime number larger than {10 * i}." for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in smollm2.generate([SYSTEM + q for q in questions], params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids for o in smollm2.generate([SYSTEM + q for q in questions], params, use_tqdm=False)
+    ]
     tokens, cached = _ask(client, SYSTEM + questions[0])
     assert tokens == expected[0]
     num_system_blocks = len(smollm2.get_tokenizer().encode(SYSTEM)) // 16

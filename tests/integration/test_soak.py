@@ -34,9 +34,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 def worker_stats(cluster: LocalCluster) -> dict[str, pb.WorkerStats]:
     stats = {}
     for i, address in enumerate(cluster.prefill_addresses):
-        stats[f"prefill-{i}"] = pb_grpc.PrefillWorkerStub(make_channel(address, cluster.token)).Stats(pb.StatsRequest(), timeout=5)  # type: ignore[attr-defined]
+        prefill = pb_grpc.PrefillWorkerStub(make_channel(address, cluster.token))
+        stats[f"prefill-{i}"] = prefill.Stats(pb.StatsRequest(), timeout=5)  # type: ignore[attr-defined]
     for i, address in enumerate(cluster.decode_addresses):
-        stats[f"decode-{i}"] = pb_grpc.DecodeWorkerStub(make_channel(address, cluster.token)).Stats(pb.StatsRequest(), timeout=5)  # type: ignore[attr-defined]
+        decode = pb_grpc.DecodeWorkerStub(make_channel(address, cluster.token))
+        stats[f"decode-{i}"] = decode.Stats(pb.StatsRequest(), timeout=5)  # type: ignore[attr-defined]
     return stats
 
 

@@ -45,9 +45,11 @@ def router(cert: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) ->
     path = out / "router.yaml"
     path.write_text(yaml.safe_dump(config))
     ready = out / "ready.json"
-    process = subprocess.Popen([sys.executable, "-m", "vllm_cluster.router", "--config", str(path), "--decode", "127.0.0.1:9",
-                                "--port", "0", "--http-port", "0", "--ready-file", str(ready)],
-                               stdout=subprocess.DEVNULL, stderr=(out / "router.log").open("wb"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm_cluster.router", "--config", str(path), "--decode", "127.0.0.1:9",
+         "--port", "0", "--http-port", "0", "--ready-file", str(ready)],
+        stdout=subprocess.DEVNULL, stderr=(out / "router.log").open("wb"),
+    )
     deadline = time.monotonic() + 120
     while not ready.exists():
         assert process.poll() is None, (out / "router.log").read_text()[-2000:]

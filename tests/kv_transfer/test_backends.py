@@ -247,7 +247,9 @@ def test_corrupted_chunk_fails_the_transfer(backend: str, closing: list[Any], mo
     assert torch.equal(dst[1][[2, 3]], src[1][[0, 1]])
 
 
-def test_dropped_chunk_leaves_the_transfer_pending(backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dropped_chunk_leaves_the_transfer_pending(
+    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from vllm_cluster.kv_transfer import faults
 
     src, dst, sender, receiver = open_pair(backend, closing)

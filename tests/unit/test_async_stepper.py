@@ -58,7 +58,13 @@ def _requests() -> list[Request]:
         (list(range(50, 55)), 1, ()),
     ]
     return [
-        Request(RequestId(f"r{i}"), prompt, SamplingParams(temperature=0.0, max_tokens=m, stop_token_ids=list(stop)), None, m)
+        Request(
+            RequestId(f"r{i}"),
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=m, stop_token_ids=list(stop)),
+            None,
+            m,
+        )
         for i, (prompt, m, stop) in enumerate(specs)
     ]
 

@@ -135,7 +135,9 @@ def test_cli_flags_override_the_file(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_plan_and_process_yaml(tmp_path: Path) -> None:
-    text = SMALL.replace("  num_decode: 1\n", "  num_decode: 2\n  decode:\n    port: 7100\n    num_cpus_per_rank: 0.25\n")
+    text = SMALL.replace(
+        "  num_decode: 1\n", "  num_decode: 2\n  decode:\n    port: 7100\n    num_cpus_per_rank: 0.25\n"
+    )
     deployment = load_deployment(_file(tmp_path, text))
     plans = check_layout(deployment, TWO_CPUS)
     assert [(p.name, p.port, p.bundles) for p in plans] == [
@@ -157,15 +159,21 @@ def test_prod_yaml_plans_eight_gpus() -> None:
     assert [p.port for p in plans] == [50100, 50101, 50200, 50201, 50202, 50203]
     assert deployment.engine_for("prefill").parallel.tensor_parallel_size == 2
     assert deployment.redis_url and deployment.cluster.ray_address == "auto"
-    with pytest.raises(ConfigError, match=r"prod\.yaml:\d+: cluster\.prefill\.tensor_parallel_size: .* largest node has 1"):
+    with pytest.raises(
+        ConfigError, match=r"prod\.yaml:\d+: cluster\.prefill\.tensor_parallel_size: .* largest node has 1"
+    ):
         check_layout(deployment, Resources(64.0, (1,) * 8))
     with pytest.raises(ConfigError, match="the pools need 8 GPUs"):
         check_layout(deployment, Resources(64.0, (4,)))
 
 
 def test_layouts_that_cannot_fit_are_refused_at_their_line(tmp_path: Path) -> None:
-    text = SMALL.replace("  num_decode: 1\n", "  num_decode: 1\n  prefill:\n    tensor_parallel_size: 3\n    num_cpus_per_rank: 1\n")
-    with pytest.raises(ConfigError, match=r"cluster\.yaml:10: cluster\.prefill\.tensor_parallel_size: prefill instances need 3"):
+    text = SMALL.replace(
+        "  num_decode: 1\n", "  num_decode: 1\n  prefill:\n    tensor_parallel_size: 3\n    num_cpus_per_rank: 1\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"cluster\.yaml:10: cluster\.prefill\.tensor_parallel_size: prefill instances need 3"
+    ):
         check_layout(load_deployment(_file(tmp_path, text)), TWO_CPUS)
     # SmolLM2-135M has 9 query heads and 3 KV heads: tp 2 cannot split them.
     text = SMALL.replace("  num_decode: 1\n", "  num_decode: 1\n  decode:\n    tensor_parallel_size: 2\n")

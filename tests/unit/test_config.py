@@ -90,7 +90,10 @@ def test_unknown_section_key_is_named(tmp_path: Path) -> None:
         ({"role": "x"}, "role: 'x'"),
         ({"device": "tpu"}, "device: 'tpu'"),
         ({"num_threads": 0}, "num_threads: 0"),
-        ({"cache": {"kv_cache_dtype": "int8"}}, r"cache\.kv_cache_dtype: 'int8' is not one of \('auto', 'fp8', 'fp8_e4m3'\)"),
+        (
+            {"cache": {"kv_cache_dtype": "int8"}},
+            r"cache\.kv_cache_dtype: 'int8' is not one of \('auto', 'fp8', 'fp8_e4m3'\)",
+        ),
         ({"cache": {"kv_cache_dtype": "fp8_e5m2"}}, r"cache\.kv_cache_dtype: 'fp8_e5m2' is not one of"),
         ({"cache": {"kv_cache_dtype": 8}}, r"cache\.kv_cache_dtype: 8 has type int; expected str"),
     ],

@@ -1,6 +1,6 @@
 """GPTQ and AWQ INT4 layouts: packing against hand-computed words, dequantize(pack(w))
 against the integers it was packed from (unpacked by a bit-by-bit loop written apart from
-kernels/int4_reference.py), config refusals, and Int4Linear's shard loading and checks."""
+kernels/int4/reference.py), config refusals, and Int4Linear's shard loading and checks."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from vllm_cluster.engine.quantization.int4_pack import (
     pack_rows,
     quantize_rtn,
 )
-from vllm_cluster.kernels.int4_reference import dequantize, int4_gemm
+from vllm_cluster.kernels.int4.reference import dequantize, int4_gemm
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
 
 def word(value: int) -> int:
@@ -84,7 +85,9 @@ def test_dequantize_of_pack_matches_loop_and_integers(layout: str, zero_offset: 
     expected = (weights.q - weights.zeros[g_idx.long()]).float() * weights.scales.float()[g_idx.long()]
     looped = loop_dequantize(tensors, layout, zero_offset, group_size)
     g = tensors.get("g_idx")
-    fast = dequantize(tensors["qweight"], tensors["qzeros"], tensors["scales"], g, group_size, layout, zero_offset)
+    fast = dequantize(
+        Int4Weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], g, group_size, layout, zero_offset)
+    )
     assert torch.equal(looped, expected)
     assert torch.equal(fast, expected)
 
@@ -106,7 +109,9 @@ def test_act_order_g_idx_dequantizes_by_group_of_each_input() -> None:
     weights = random_int4(in_features, out_features, 4, seed=3, g_idx=g_idx)
     tensors = pack_gptq(weights)
     looped = loop_dequantize(tensors, "gptq", 1, group_size)
-    fast = dequantize(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], group_size, "gptq", 1)
+    fast = dequantize(
+        Int4Weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], group_size, "gptq", 1)
+    )
     assert torch.equal(fast, looped)
 
 
@@ -115,7 +120,7 @@ def test_rtn_error_is_at_most_half_a_step(sym: bool) -> None:
     weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))  # [N, K]
     q = quantize_rtn(weight, group_size=16, sym=sym, min_zero=1)
     tensors = pack_gptq(q)
-    w = dequantize(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, 16, "gptq", 1).t()
+    w = dequantize(Int4Weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, 16, "gptq", 1)).t()
     step = q.scales.float().repeat_interleave(16, dim=0).t()  # [N, K]
     # Half a step of rounding, plus the scale's own fp16 rounding over up to 15 steps.
     assert bool(((w - weight).abs() <= step * (0.5 + 15 * 2**-10) + 1e-6).all())
@@ -177,13 +182,18 @@ def test_fused_shards_equal_separate_layers(spec: Int4Spec) -> None:
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
     expected = []
     for part, size in enumerate(sizes):
-        weights = quantize_rtn(torch.randn(size, 32, generator=torch.Generator().manual_seed(part)), 16, sym=False, min_zero=1)
+        weights = quantize_rtn(
+            torch.randn(size, 32, generator=torch.Generator().manual_seed(part)), 16, sym=False, min_zero=1
+        )
         tensors = pack_gptq(weights) if spec.method == "gptq" else pack_awq(weights)
         tensors["bias"] = torch.full((size,), float(part))
         for name, tensor in tensors.items():
             fused.load_shard(name, tensor, part)
         g = tensors.get("g_idx")
-        y = int4_gemm(x, tensors["qweight"], tensors["qzeros"], tensors["scales"], g, 16, spec.method, spec.zero_offset)
+        y = int4_gemm(
+            x,
+            Int4Weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], g, 16, spec.method, spec.zero_offset),
+        )
         expected.append(y + part)
     fused.finish_loading()
     torch.testing.assert_close(fused(x), torch.cat(expected, dim=1), rtol=0, atol=1e-6)
@@ -199,9 +209,12 @@ def test_awq_is_repacked_as_gptq_with_the_same_weights() -> None:
         layer.load_shard(name, tensor)
     layer.finish_loading()
     assert layer.layout == "gptq" and tuple(layer.qweight.shape) == (4, 24) and tuple(layer.qzeros.shape) == (2, 3)
-    awq = dequantize(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, 16, "awq", 0)
-    assert torch.equal(dequantize(layer.qweight, layer.qzeros, layer.scales, None, 16, "gptq", 0), awq)
-    assert torch.equal(awq, (weights.q - weights.zeros.repeat_interleave(16, 0)).float() * weights.scales.float().repeat_interleave(16, 0))
+    awq = dequantize(Int4Weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, 16, "awq", 0))
+    assert torch.equal(dequantize(Int4Weight(layer.qweight, layer.qzeros, layer.scales, None, 16, "gptq", 0)), awq)
+    assert torch.equal(
+        awq,
+        (weights.q - weights.zeros.repeat_interleave(16, 0)).float() * weights.scales.float().repeat_interleave(16, 0),
+    )
     with pytest.raises(AssertionError, match="repacked"):
         layer.load_shard("scales", tensors["scales"])
 

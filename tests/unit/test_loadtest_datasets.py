@@ -197,8 +197,14 @@ def test_sharegpt_sampling_follows_seed(tmp_path: Path, tokenizer: Any) -> None:
         ('[\n {"conversations": []},\n {"conversations": [}\n]', r"sharegpt.json:3: not valid JSON"),
         ('{"conversations": []}', r"sharegpt.json: the top level is a dict; expected a JSON list"),
         ('[{"conversations": []}, 5]', r"sharegpt.json: conversation \[1\]: expected an object"),
-        ('[{"conversations": []}, {"id": "a"}]', r"conversation \[1\]: .*'conversations' list, got an object with keys \['id'\]"),
-        ('[{"conversations": [{"from": "human", "value": 3}]}]', r"conversation \[0\], turn \[0\]: expected an object with string"),
+        (
+            '[{"conversations": []}, {"id": "a"}]',
+            r"conversation \[1\]: .*'conversations' list, got an object with keys \['id'\]",
+        ),
+        (
+            '[{"conversations": [{"from": "human", "value": 3}]}]',
+            r"conversation \[0\], turn \[0\]: expected an object with string",
+        ),
         ('[{"conversations": [{"value": "hello"}]}]', r"conversation \[0\], turn \[0\]"),
     ],
 )
@@ -232,7 +238,9 @@ def record(timestamp: Any, input_length: Any, output_length: Any, hash_ids: Any)
     return {"timestamp": timestamp, "input_length": input_length, "output_length": output_length, "hash_ids": hash_ids}
 
 
-def test_mooncake_shared_hash_ids_share_exactly_those_blocks(tmp_path: Path, tokenizer: Any, special_ids: set[int]) -> None:
+def test_mooncake_shared_hash_ids_share_exactly_those_blocks(
+    tmp_path: Path, tokenizer: Any, special_ids: set[int]
+) -> None:
     block = 8
     path = write_jsonl(
         tmp_path,

@@ -55,14 +55,18 @@ def test_refuses_unservable_config(tmp_path: Path, overrides: dict[str, object],
 
 def test_refuses_rank_over_max(tmp_path: Path) -> None:
     path = write_adapter(tmp_path / "a", ARCH, rank=16)
-    with pytest.raises(LoRAAdapterError, match="rank 16 but max_lora_rank is 8: start the engine with max_lora_rank >= 16"):
+    with pytest.raises(
+        LoRAAdapterError, match="rank 16 but max_lora_rank is 8: start the engine with max_lora_rank >= 16"
+    ):
         load_adapter("a", path, ARCH, max_rank=8)
 
 
 def test_refuses_wrong_shapes(tmp_path: Path) -> None:
     other = ModelArchConfig.from_hf_dict({**_hf(ARCH), "hidden_size": 40})
     path = write_adapter(tmp_path / "a", other)
-    with pytest.raises(LoRAAdapterError, match=r"down_proj.lora_B.weight has shape \(40, 4\), expected \(32, 4\).*another base model"):
+    with pytest.raises(
+        LoRAAdapterError, match=r"down_proj.lora_B.weight has shape \(40, 4\), expected \(32, 4\).*another base model"
+    ):
         load_adapter("a", path, ARCH, max_rank=8)
 
 
@@ -77,7 +81,10 @@ def test_refuses_tensor_outside_target_modules(tmp_path: Path) -> None:
 def test_refuses_unknown_tensor_and_missing_files(tmp_path: Path) -> None:
     path = write_adapter(tmp_path / "a", ARCH)
     tensors = load_file(str(path / "adapter_model.safetensors"))
-    save_file({**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 32)}, str(path / "adapter_model.safetensors"))
+    save_file(
+        {**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 32)},
+        str(path / "adapter_model.safetensors"),
+    )
     with pytest.raises(LoRAAdapterError, match="lm_head.lora_A.weight is not a lora_A/lora_B weight"):
         load_adapter("a", path, ARCH, max_rank=8)
     with pytest.raises(LoRAAdapterError, match="must be a PEFT adapter directory"):

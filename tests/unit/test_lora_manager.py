@@ -55,7 +55,9 @@ def test_lru_slots(adapters: list[LoRARequest]) -> None:
 def test_mixed_batch_equals_one_by_one_with_one_slot(adapters: list[LoRARequest]) -> None:
     llm = _llm(1)
     loras: list[LoRARequest | None] = [adapters[0], None, adapters[1]]
-    alone = [llm.generate([p], GREEDY, use_tqdm=False, lora_request=lora)[0] for p, lora in zip(PROMPTS, loras, strict=True)]
+    alone = [
+        llm.generate([p], GREEDY, use_tqdm=False, lora_request=lora)[0] for p, lora in zip(PROMPTS, loras, strict=True)
+    ]
     swaps = llm.core.lora.num_swaps if llm.core.lora else 0
     mixed = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False, lora_request=loras * 2)
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone] * 2

@@ -15,7 +15,9 @@ FORBIDDEN = {
     r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle|marshal|shelve|jsonpickle)\b": "a pickle-family module",
     r"\bpickle\.loads?\(": "pickle.load(s)",
     r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)": "torch.load without weights_only=True",
-    r"\b(broadcast|scatter|gather|all_gather|recv|send)_object(_list)?\(": "torch.distributed object collectives (pickle)",
+    r"\b(broadcast|scatter|gather|all_gather|recv|send)_object(_list)?\(": (
+        "torch.distributed object collectives (pickle)"
+    ),
     r"\byaml\.load\(": "yaml.load (use yaml.safe_load)",
     r"\bnp\.load\([^)]*allow_pickle\s*=\s*True": "numpy allow_pickle",
     r"(?<![\w.])eval\(": "eval",

@@ -62,7 +62,10 @@ def test_yaml_parallel_section_and_flat_kwargs(tmp_path: Path) -> None:
         ({"parallel": {"distributed_timeout_s": 0}}, r"parallel\.distributed_timeout_s: 0"),
         ({"parallel": {"tensor_parallel_size": "2"}}, r"parallel\.tensor_parallel_size: '2' has type str"),
         ({"parallel": {"data_parallel_size": 2}}, r"unknown key parallel\.data_parallel_size"),
-        ({"parallel": {"pipeline_parallel_size": 2}, "role": "prefill"}, "role 'prefill' splits by tensor parallelism only"),
+        (
+            {"parallel": {"pipeline_parallel_size": 2}, "role": "prefill"},
+            "role 'prefill' splits by tensor parallelism only",
+        ),
         ({"parallel": {"pipeline_parallel_size": 2}, "device": "cuda:1"}, "use device: cuda"),
     ],
 )
@@ -89,8 +92,11 @@ def test_kv_heads_split_or_replicated() -> None:
         check_model(arch, tp, 1)
     assert [kv_heads_of(r, 2, 4) for r in range(2)] == [range(0, 2), range(2, 4)]
     assert [kv_heads_of(r, 8, 4) for r in range(8)] == [range(h, h + 1) for h in (0, 0, 1, 1, 2, 2, 3, 3)]
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2: KV heads are split across ranks or replicated, so it must divide "
-                       r"num_key_value_heads \(3\) or be a multiple of it; for this model use one of \[1, 3, 6\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tensor_parallel_size 2: KV heads are split across ranks or replicated, so it must divide "
+        r"num_key_value_heads \(3\) or be a multiple of it; for this model use one of \[1, 3, 6\]",
+    ):
         check_model(_arch(num_attention_heads=6, num_key_value_heads=3), 2, 1)
 
 

@@ -1,5 +1,5 @@
 """INT8 and FP8 formats against references written from their descriptions, the
-quantized linears against the definitions in kernels/quant_ops.py, and how a method is
+quantized linears against the definitions in kernels/linear/reference.py, and how a method is
 chosen or refused (config, checkpoint's quantization_config, MoE)."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from vllm_cluster.engine import LLM, ConfigError, EngineConfig, ModelLoadError, 
 from vllm_cluster.engine.quantization import METHOD_NAMES, get_method, select_method
 from vllm_cluster.engine.quantization.fp8 import Fp8Linear, dequantize_fp8, quantize_fp8
 from vllm_cluster.engine.quantization.int8 import Int8Linear, dequantize_int8, quantize_int8
-from vllm_cluster.kernels import quant_ops
+from vllm_cluster.kernels.linear import dispatch as linear_ops
+from vllm_cluster.kernels.linear import reference as linear_reference
+from vllm_cluster.kernels.linear import torch_ops as linear_torch_ops
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -96,7 +98,7 @@ def test_fp8_codes_decode_as_the_format_describes() -> None:
     for code, value in enumerate(decoded):
         expected = e4m3fn_value(code)
         assert (math.isnan(value) and math.isnan(expected)) or value == expected, hex(code)
-    assert max(v for v in decoded if not math.isnan(v)) == quant_ops.FP8_MAX
+    assert max(v for v in decoded if not math.isnan(v)) == linear_reference.FP8_MAX
 
 
 def test_fp8_matches_reference_and_round_trips_within_the_format_step() -> None:
@@ -125,11 +127,11 @@ def test_quantized_linears_equal_their_definitions(with_bias: bool) -> None:
     int8 = Int8Linear(40, 48, with_bias, torch.float32, torch.device("cpu"))
     int8.quantize_from(w, bias)
     q, scale = quantize_int8(w)
-    torch.testing.assert_close(int8(x), quant_ops.int8_linear_reference(x, q, scale, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(int8(x), linear_reference.int8_linear_reference(x, q, scale, bias), rtol=1e-5, atol=1e-4)
     fp8 = Fp8Linear(40, 48, with_bias, torch.float32, torch.device("cpu"))
     fp8.quantize_from(w, bias)
     q8, scale8 = quantize_fp8(w)
-    torch.testing.assert_close(fp8(x), quant_ops.fp8_linear_reference(x, q8, scale8, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fp8(x), linear_reference.fp8_linear_reference(x, q8, scale8, bias), rtol=1e-5, atol=1e-4)
     # And both stay near the unquantized product.
     exact = torch.nn.functional.linear(x, w, bias)
     span = float(exact.abs().max())
@@ -138,16 +140,19 @@ def test_quantized_linears_equal_their_definitions(with_bias: bool) -> None:
 
 
 def test_cpu_paths_chunk_a_large_weight_without_changing_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quant_ops, "_CPU_CHUNK_ELEMS", 7 * 40)  # 7 rows per chunk, a ragged last one
+    monkeypatch.setattr(linear_torch_ops, "CPU_CHUNK_ELEMS", 7 * 40)  # 7 rows per chunk, a ragged last one
     w, x = weights(n=30, k=40, seed=4), torch.randn(3, 40)
     q, scale = quantize_int8(w)
     torch.testing.assert_close(
-        quant_ops.int8_linear(x, q, scale, None), quant_ops.int8_linear_reference(x, q, scale, None), rtol=1e-5, atol=1e-4
+        linear_ops.int8_linear(x, q, scale, None),
+        linear_reference.int8_linear_reference(x, q, scale, None),
+        rtol=1e-5,
+        atol=1e-4,
     )
     q8, scale8 = quantize_fp8(w)
     torch.testing.assert_close(
-        quant_ops.fp8_linear(x, q8, scale8[None, :], None),
-        quant_ops.fp8_linear_reference(x, q8, scale8, None), rtol=1e-5, atol=1e-4,
+        linear_ops.fp8_linear(x, q8, scale8[None, :], None),
+        linear_reference.fp8_linear_reference(x, q8, scale8, None), rtol=1e-5, atol=1e-4,
     )
 
 
@@ -207,7 +212,9 @@ def test_engine_swaps_every_projection_and_generates(method: str, module_type: t
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear, module_type)
     assert isinstance(llm.core.model.lm_head, torch.nn.Linear)  # the lm_head stays unquantized
-    out = llm.generate([[1, 5, 9, 17], [4, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [[1, 5, 9, 17], [4, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
@@ -239,7 +246,9 @@ def test_quantize_lm_head_needs_an_online_method(tmp_path: Path) -> None:
         LLM("llama-3.2-1b", quantize_lm_head=True, **ENGINE)
     config = {"architectures": ["LlamaForCausalLM"], **TINY, "quantization_config": {"quant_method": "gptq", "bits": 4}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"applies to the online methods.*'gptq' checkpoint.*quantization_config.lm_head"):
+    with pytest.raises(
+        ConfigError, match=r"applies to the online methods.*'gptq' checkpoint.*quantization_config.lm_head"
+    ):
         LLM(str(tmp_path), quantize_lm_head=True, **{**ENGINE, "hf_overrides": {}})
     path = tmp_path / "engine.yaml"
     path.write_text("engine:\n  model:\n    quantization: fp8\n    quantize_lm_head: true\n")
