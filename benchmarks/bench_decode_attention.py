@@ -1,4 +1,4 @@
-"""Paged decode attention alone on the GPU (kernels/triton_decode_attention.py): batch 64 x
+"""Paged decode attention alone on the GPU (kernels/attention/triton_decode.py): batch 64 x
 2k context, Hq 32 / Hkv 8, D 128, block 16, bf16, against a device-to-device copy measured
 in the same run.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_cluster.kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
+from vllm_cluster.kernels.attention.triton_decode import _num_sms, choose_num_splits, decode_attention
 
 
 def bench_decode_attention() -> None:

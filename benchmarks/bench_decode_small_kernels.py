@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from vllm_cluster.kernels import triton_ops
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
-from vllm_cluster.kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
-from vllm_cluster.kernels.triton_rotary_kv import rotary_write_kv_cache
+from vllm_cluster.kernels.attention import triton_kv_write
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.attention.triton_decode import _num_sms, choose_num_splits, decode_attention
+from vllm_cluster.kernels.attention.triton_rotary_kv import rotary_write_kv_cache
+from vllm_cluster.kernels.elementwise import triton_ops
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_SEQ_LEN = 32, 32, 8, 128, 16, 4096
 
@@ -77,7 +78,7 @@ def bench_rotary_kv_write() -> None:
         def unfused(i: int, caches: list[torch.Tensor] = caches) -> None:
             q, k, v = views[i]
             _, k_rot = triton_ops.rotary_embedding(q, k, cos, sin)
-            triton_ops.write_kv_cache(k_rot, v, caches[i], slots, scale, scale)
+            triton_kv_write.write_kv_cache(k_rot, v, caches[i], slots, scale, scale)
 
         def fused(i: int, caches: list[torch.Tensor] = caches) -> None:
             q, k, v = views[i]
@@ -102,7 +103,9 @@ def bench_decode_attention(baseline: Any) -> None:
         row: dict[str, Any] = dict(bench="decode_attention_b1", context=context, num_splits=num_splits)
         if baseline is not None:
             row["baseline_us"] = round(per_layer_us(
-                lambda i: baseline.decode_attention(qs[i], caches[i], tables[i], seq_lens, scale, max_seq_len=MAX_SEQ_LEN)
+                lambda i: baseline.decode_attention(
+                    qs[i], caches[i], tables[i], seq_lens, scale, max_seq_len=MAX_SEQ_LEN
+                )
             ), 2)  # fmt: skip
         row["us"] = round(per_layer_us(
             lambda i: decode_attention(qs[i], caches[i], tables[i], seq_lens, scale, max_seq_len=MAX_SEQ_LEN)

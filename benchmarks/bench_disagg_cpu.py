@@ -35,7 +35,9 @@ ENGINE = {
 }
 
 
-def run(cluster: LocalCluster, prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[list[Completion], float]:
+def run(
+    cluster: LocalCluster, prompts: list[list[int]], output_len: int, concurrency: int
+) -> tuple[list[Completion], float]:
     client = Client(cluster.router_address)
     client.generate(token_ids=prompts[0][:8], max_tokens=2)  # warm-up
     start = time.perf_counter()
@@ -69,8 +71,8 @@ def main() -> None:
         t = [r.timings for r in results]
         ms = lambda xs: f"{statistics.median(xs) * 1e3:.1f}"  # noqa: E731
         rows.append([mode, ms([x.ttft_s for x in t]), ms([x.router_s for x in t]), ms([x.prefill_queue_s for x in t]),
-                     ms([x.prefill_compute_s for x in t]), ms([x.transfer_s for x in t]), ms([x.decode_queue_s for x in t]),
-                     f"{args.num_requests * args.output_len / elapsed:.1f}"])
+                     ms([x.prefill_compute_s for x in t]), ms([x.transfer_s for x in t]),
+                     ms([x.decode_queue_s for x in t]), f"{args.num_requests * args.output_len / elapsed:.1f}"])
     print(f"\n{args.num_requests} requests, {args.input_len} prompt tokens, {args.output_len} output tokens, "
           f"concurrency {args.concurrency}, transport {args.transport}; medians in ms\n")
     print("| mode | TTFT | router | prefill queue | prefill compute | transfer | decode queue | output tok/s |")

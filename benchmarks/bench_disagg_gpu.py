@@ -36,7 +36,9 @@ def engine_section(args: argparse.Namespace) -> dict:
     }
 
 
-def generate_all(client: Client, prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[list[Completion], float]:
+def generate_all(
+    client: Client, prompts: list[list[int]], output_len: int, concurrency: int
+) -> tuple[list[Completion], float]:
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(
@@ -77,16 +79,19 @@ def main() -> None:
         t = [r.timings for r in ttft_runs]
         med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
         handoff = med([x.transfer_s for x in t])
-        rows.append((mode, med([x.ttft_s for x in t]), med([x.router_s for x in t]), med([x.prefill_queue_s for x in t]),
-                     med([x.prefill_compute_s for x in t]), handoff, med([x.decode_queue_s for x in t]),
+        rows.append((mode, med([x.ttft_s for x in t]), med([x.router_s for x in t]),
+                     med([x.prefill_queue_s for x in t]), med([x.prefill_compute_s for x in t]), handoff,
+                     med([x.decode_queue_s for x in t]),
                      args.num_requests * args.output_len / elapsed,
                      statistics.median([r.timings.ttft_s for r in results]) * 1e3))
     print(f"\n{args.model} bf16, {args.input_len} prompt tokens; throughput: {args.num_requests} concurrent "
           f"requests x {args.output_len} output tokens; transport {args.transport}; medians in ms\n")
-    print("| mode | TTFT | router | prefill queue | prefill compute | KV hand-off | hand-off / TTFT | decode queue | output tok/s | TTFT under load |")
+    print("| mode | TTFT | router | prefill queue | prefill compute | KV hand-off | hand-off / TTFT | decode queue "
+          "| output tok/s | TTFT under load |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, ttft, router, pq, pc, ho, dq, tput, ttft_load in rows:
-        print(f"| {mode} | {ttft:.1f} | {router:.1f} | {pq:.1f} | {pc:.1f} | {ho:.2f} | {ho / ttft:.2%} | {dq:.1f} | {tput:.0f} | {ttft_load:.0f} |")
+        print(f"| {mode} | {ttft:.1f} | {router:.1f} | {pq:.1f} | {pc:.1f} | {ho:.2f} | {ho / ttft:.2%} | {dq:.1f} "
+              f"| {tput:.0f} | {ttft_load:.0f} |")
     if len(rows) == 2:
         print(f"\ndisaggregated / colocated throughput: {rows[0][7] / rows[1][7]:.3f}")
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_fp8_kv.py [--memory-fraction 0.05] [--no-throughput]
 
-1. Paged decode attention alone (kernels/triton_decode_attention.py): batch 64 x 2k context,
+1. Paged decode attention alone (kernels/attention/triton_decode.py): batch 64 x 2k context,
    Hq 32 / Hkv 8, D 128, block 16 (llama-3.1-8b's attention); time and effective bandwidth
    (the KV bytes read + q and out), against a device-to-device copy measured here.
 2. Offline throughput of dummy llama-3.1-8b with kv_cache_dtype auto (bf16) and fp8 at the
@@ -22,8 +22,8 @@ import torch
 
 from benchmarks.bench_gpu import RESULTS, ours_generate, prompts, record
 from vllm_cluster.engine import LLM
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE, quantize
-from vllm_cluster.kernels.triton_decode_attention import _num_sms, choose_num_splits, decode_attention
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE, quantize
+from vllm_cluster.kernels.attention.triton_decode import _num_sms, choose_num_splits, decode_attention
 
 PRESET = "llama-3.1-8b"
 
@@ -66,7 +66,8 @@ def decode_attention_kernel(copy_bw_gbps: float) -> None:
         gbps = num_bytes / ms / 1e6
         record(bench="decode_attention", kv_cache=name, batch=batch_size, context=seq_len, splits=splits,
                us=round(ms * 1e3, 1), GBps=round(gbps), fraction_of_copy=round(gbps / copy_bw_gbps, 2))
-    record(bench="decode_attention_fp8_error", max_abs_vs_bf16=round(float((outs["fp8"] - outs["bf16"]).abs().max()), 4))
+    record(bench="decode_attention_fp8_error",
+           max_abs_vs_bf16=round(float((outs["fp8"] - outs["bf16"]).abs().max()), 4))
 
 
 def throughput(kv_cache_dtype: str, memory_fraction: float, num: int, in_len: int, out_len: int) -> None:

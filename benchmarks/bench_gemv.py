@@ -1,5 +1,5 @@
 """Batch-1 linear layers on the GPU: the Triton GEMV (kernels.linear) against cuBLAS
-(F.linear), and the 1-byte GEMV (kernels/triton_gemv.py, through kernels/quant_ops as
+(F.linear), and the 1-byte GEMV (kernels/linear/triton_w8_gemv.py, through kernels/linear/dispatch as
 decode calls it) on fp8 and int8 weights of the same shapes, all against the copy
 bandwidth measured in the same run.
 
@@ -23,9 +23,8 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from vllm_cluster.kernels import dispatch as kernels
-from vllm_cluster.kernels import quant_ops
-from vllm_cluster.kernels.triton_gemv import gemv_w8
+from vllm_cluster.kernels.linear import dispatch as linear_ops
+from vllm_cluster.kernels.linear.triton_w8_gemv import gemv_w8
 
 SHAPES = {  # name: (N, K)
     "8b qkv": (6144, 4096),
@@ -69,7 +68,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (do_bench(lambda: dst.copy_(src)) * 1e-3)
 
 
-# (BLOCK_N, BLOCK_K, warps, lane sums): per-thread partial sums across tiles (triton_gemv.LANE_SUMS)
+# (BLOCK_N, BLOCK_K, warps, lane sums): per-thread partial sums across tiles (triton_w8_gemv.LANE_SUMS)
 # take the loop's cross-warp reduction out (benchmarks/kernel_sass.py); larger tiles may pay then.
 SWEEP_BLOCKS = [
     (4, 2048, 4, False), (2, 2048, 4, False), (8, 2048, 4, False), (4, 1024, 4, False), (8, 1024, 4, False),
@@ -89,7 +88,7 @@ def main() -> None:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, int(4e8 // nbytes)))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         row: dict[str, object] = {"shape": name, "N": n, "K": k}
-        for label, fn in (("cublas", F.linear), ("triton", kernels.linear)):
+        for label, fn in (("cublas", F.linear), ("triton", linear_ops.linear)):
             seconds = graph_seconds([functools.partial(fn, x, w) for w in weights])
             row[f"{label}_us"] = round(seconds * 1e6, 1)
             row[f"{label}_GBps"] = round(nbytes / seconds / 1e9)
@@ -114,7 +113,10 @@ def sweep(bandwidth: float) -> None:
         count = max(2, int(4e8 // (n * k)))
         for fmt in ("fp8", "int8"):
             if fmt == "fp8":
-                qs = [(torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(count)]
+                qs = [
+                    (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+                    for _ in range(count)
+                ]
             else:
                 qs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(count)]
             # gate_up also SiLU-fused, as decode runs it: BLOCK_N there counts outputs, half the tile's rows.
@@ -126,9 +128,10 @@ def sweep(bandwidth: float) -> None:
                         for q in qs
                     ]
                     seconds = graph_seconds(calls)
-                    row = {"shape": name, "fmt": fmt, "silu_mul": silu, "blocks": f"{block_n}x{block_k}", "warps": warps,
-                           "lane_sums": lane_sums}
-                    print(json.dumps(row | {"us": round(seconds * 1e6, 2), "of_copy": round(n * k / seconds / bandwidth, 3)}))
+                    row = {"shape": name, "fmt": fmt, "silu_mul": silu, "blocks": f"{block_n}x{block_k}",
+                           "warps": warps, "lane_sums": lane_sums}
+                    print(json.dumps(row | {"us": round(seconds * 1e6, 2),
+                                            "of_copy": round(n * k / seconds / bandwidth, 3)}))
             del qs
 
 
@@ -140,8 +143,8 @@ def w8_linears(n: int, k: int) -> list[tuple[str, list[Callable[[], object]]]]:
     fp8 = [(torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(count)]
     int8 = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(count)]
     return [
-        ("fp8", [functools.partial(quant_ops.fp8_linear, x, q, scale, None) for q in fp8]),
-        ("int8", [functools.partial(quant_ops.int8_linear, x, q, scale[0], None) for q in int8]),
+        ("fp8", [functools.partial(linear_ops.fp8_linear, x, q, scale, None) for q in fp8]),
+        ("int8", [functools.partial(linear_ops.int8_linear, x, q, scale[0], None) for q in int8]),
     ]
 
 

@@ -1,6 +1,6 @@
 """Decode GEMMs of quantized weights against a bf16 torch matmul of the same shape, in one
 run, on Llama-3.1-8B's linear shapes: INT4 (GPTQ / AWQ), INT8 weight-only and FP8 (through
-kernels/quant_ops: weight-only at decode sizes). Each timing is triton.testing.do_bench's
+kernels/linear/dispatch: weight-only at decode sizes). Each timing is triton.testing.do_bench's
 median, which flushes the L2 cache before every call (a 4096x14336 INT4 weight, 29 MB,
 would otherwise sit in the H200's 50 MB L2). GB/s is weight bytes over time, next to the
 device-to-device copy bandwidth measured in the same run. `--sweep` first tries GEMV
@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from vllm_cluster.kernels import quant_ops
-from vllm_cluster.kernels.triton_gemv import gemv_w8
-from vllm_cluster.kernels.triton_int4_gemm import SPLIT_K_GEMV_MAX_ROWS, int4_gemm, pick_config
-from vllm_cluster.kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.int4.triton_gemm import SPLIT_K_GEMV_MAX_ROWS, int4_gemm, pick_config
+from vllm_cluster.kernels.int4.triton_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear import dispatch as linear_ops
+from vllm_cluster.kernels.linear.triton_w8_gemv import gemv_w8
 
 # (name, K in, N out) of Llama-3.1-8B's layers, and the 4096 x 14336 of the brief.
 SHAPES = [
@@ -66,7 +67,8 @@ def copy_bandwidth_gbps() -> float:
 
 def int4_fn(x: torch.Tensor, t: dict[str, torch.Tensor], method: str) -> Callable[[], torch.Tensor]:
     offset = 1 if method == "gptq" else 0
-    return lambda: int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, 128, method, offset)
+    weight = Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, 128, method, offset)
+    return lambda: int4_gemm(x, weight)
 
 
 def w8_weights(k: int, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -80,9 +82,9 @@ def w8_weights(k: int, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def w8_fn(x: torch.Tensor, fmt: str, weight: tuple[torch.Tensor, torch.Tensor]) -> Callable[[], torch.Tensor]:
     q, scale = weight
     if fmt == "int8":
-        return lambda: quant_ops.int8_linear(x, q, scale, None)
+        return lambda: linear_ops.int8_linear(x, q, scale, None)
     row_scale = scale[None, :].contiguous()
-    return lambda: quant_ops.fp8_linear(x, q, row_scale, None)
+    return lambda: linear_ops.fp8_linear(x, q, row_scale, None)
 
 
 def sweep() -> list[dict[str, object]]:
@@ -96,7 +98,7 @@ def sweep() -> list[dict[str, object]]:
             for block_n, block_k, pps in itertools.product((64, 128, 256), (64, 128), (4, 8)):
                 cfg = pick_gemv_config(1, n, k, 128, num_sms, method, block_n, block_k, pps)
                 offset = 1 if method == "gptq" else 0
-                args = (x, t["qweight"], t["qzeros"], t["scales"], None, 128, method, offset, cfg)
+                args = (x, Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, 128, method, offset), None, cfg)
                 _sweep_row(rows, name, method, f"{cfg} pps={pps}", k * n // 2, functools.partial(gemv_int4, *args))
         for fmt, (q, scale) in w8_weights(k, n).items():
             for block_n, block_k, warps in itertools.product((2, 4, 8, 16), (512, 1024), (4, 8)):
@@ -115,7 +117,8 @@ def _sweep_row(
         us = timed_us(fn)
     except OutOfResources:
         return
-    rows.append({"shape": shape, "fmt": fmt, "config": config, "us": round(us, 2), "GBps": round(weight_bytes / (us * 1e3))})
+    rows.append({"shape": shape, "fmt": fmt, "config": config, "us": round(us, 2),
+                 "GBps": round(weight_bytes / (us * 1e3))})
 
 
 def table(ms: list[int], copy_gbps: float) -> list[dict[str, object]]:

@@ -1,7 +1,7 @@
 """The batch-1 INT4 GEMV as decode runs it: many calls in one CUDA graph over weights
 larger than the L2 (benchmarks/bench_gemv.py's `graph_seconds`), on llama-3.1-8b's shapes.
 Per shape, in one run: the bf16 GEMV (kernels.linear), the GPTQ-layout split-K GEMV
-(kernels/triton_int4_gemv.py), the rows-layout GEMV (kernels/triton_int4_rows.py) at its
+(kernels/int4/triton_gemv.py), the rows-layout GEMV (kernels/int4/triton_rows.py) at its
 default config, and the same GEMV on the pairs layout (decode's) at its default and over a
 sweep of its configs; GB/s counts packed weight bytes (K * N / 2), against the copy
 bandwidth of the same run. Then M = 4 and 16 (batched decode): the rows layout's tl.dot
@@ -11,7 +11,7 @@ tiles against the GPTQ kernels, and a check of each path against the torch refer
     PYTHONPATH=. python benchmarks/bench_int4_gemv.py --mma [--mma-rows 1,4,16,64,128] [--quick]
 
 `--silu-mul`: gate_up's pairs GEMV (its default, and the sweep) also applies SiLU-and-mul, as
-decode runs it. `--mma`: the tensor-core kernel (kernels/triton_int4_mma.py) against the GEMV and the rows
+decode runs it. `--mma`: the tensor-core kernel (kernels/int4/triton_mma.py) against the GEMV and the rows
 layout's tiles instead, per rows of x, and above one row against the bf16 product it replaces
 (cuBLAS, `m{rows}_bf16_us`).
 """
@@ -27,17 +27,25 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.bench_gemv import copy_bandwidth, graph_seconds
-from vllm_cluster.kernels import dispatch as kernels
-from vllm_cluster.kernels import int4_reference
-from vllm_cluster.kernels.int4_rows import gptq_to_pairs, gptq_to_rows
-from vllm_cluster.kernels.triton_int4_gemm import int4_gemm
-from vllm_cluster.kernels.triton_int4_gemv import gemv_int4, pick_gemv_config
-from vllm_cluster.kernels.triton_int4_mma import int4_mma, pick_mma_config
-from vllm_cluster.kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
-from vllm_cluster.kernels.triton_int4_rows_dot import int4_gemm_rows
+from vllm_cluster.kernels.int4 import dispatch as int4_dispatch
+from vllm_cluster.kernels.int4 import reference as int4_reference
+from vllm_cluster.kernels.int4.layouts import gptq_to_pairs, gptq_to_rows
+from vllm_cluster.kernels.int4.triton_gemm import int4_gemm
+from vllm_cluster.kernels.int4.triton_gemv import gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.int4.triton_mma import int4_mma, pick_mma_config
+from vllm_cluster.kernels.int4.triton_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels.int4.triton_rows_dot import int4_gemm_rows
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear.dispatch import linear
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
+
+
+def weight(tensors: dict[str, torch.Tensor], layout: str) -> Int4Weight:
+    """One set's weight in `layout` (its "qweight" for gptq, else the repacked tensor of that name)."""
+    qweight = tensors["qweight" if layout == "gptq" else layout]
+    return Int4Weight(qweight, tensors["qzeros"], tensors["scales"], None, GROUP, layout, 1)
 # (block_n, unroll, num_warps, num_stages, programs per SM) of the GEMV on the pairs layout:
 # 1, 2, 4 or 8 rows per thread (block_n / (8 num_warps)): fewer rows per thread hold fewer
 # registers, so more warps fit an SM (ncu saw 7 warps per SM at 4-8 rows per thread, each
@@ -78,7 +86,13 @@ def bf16_us(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
 
 
 def gemv_row(
-    name: str, k: int, n: int, sets: list[dict[str, torch.Tensor]], bandwidth: float, quick: bool, silu_mul: bool = False
+    name: str,
+    k: int,
+    n: int,
+    sets: list[dict[str, torch.Tensor]],
+    bandwidth: float,
+    quick: bool,
+    silu_mul: bool = False,
 ) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -91,23 +105,24 @@ def gemv_row(
         row[f"{label}_of_copy"] = round(nbytes / us / 1e3 / (bandwidth / 1e9), 3)
 
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, int(4e8 // (2 * k * n))))]
-    record("bf16", timed([functools.partial(kernels.linear, x, w) for w in weights]), 2 * k * n)
+    record("bf16", timed([functools.partial(linear, x, w) for w in weights]), 2 * k * n)
     del weights
     old = pick_gemv_config(1, n, k, GROUP, num_sms)
-    record("gptq_old", timed([functools.partial(gemv_int4, x, t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1, old) for t in sets]))
+    record("gptq_old", timed([functools.partial(gemv_int4, x, weight(t, "gptq"), None, old) for t in sets]))
     default = pick_rows_config(n, k, num_sms)
-    record("rows_default", timed([functools.partial(gemv_rows, x, t["rows"], t["qzeros"], t["scales"], None, GROUP, 1, default) for t in sets]))
+    record("rows_default", timed([functools.partial(gemv_rows, x, weight(t, "rows"), None, default) for t in sets]))
     row["rows_default_config"] = repr(default)
     pairs = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))  # decode's config
     row["pairs_default_config"] = repr(pairs)
-    record("pairs_default", timed([functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True) for t in sets]))
+    record("pairs_default", timed([functools.partial(gemv_rows, x, weight(t, "pairs"), None, pairs) for t in sets]))
     silu = silu_mul and name == "gate_up"  # decode's gate_up: SiLU-and-mul in the GEMV
     if silu:
-        record("pairs_silu_default", timed([functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True, True) for t in sets]))
+        record("pairs_silu_default",
+               timed([functools.partial(gemv_rows, x, weight(t, "pairs"), None, pairs, True) for t in sets]))
     sweep = []
     for block_n, unroll, warps, stages, pps in [] if quick else SWEEP:
         cfg = pick_rows_config(n, k, num_sms, block_n, unroll, warps, pps, stages)
-        calls = [functools.partial(gemv_rows, x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, cfg, True, silu) for t in sets]
+        calls = [functools.partial(gemv_rows, x, weight(t, "pairs"), None, cfg, silu) for t in sets]
         sweep.append((timed(calls), f"bn={block_n} u={unroll} w={warps} st={stages} pps={pps} split={cfg.split_k}"))
     if sweep:
         sweep.sort()
@@ -118,7 +133,7 @@ def gemv_row(
 
 
 # (block_n, num_warps, num_stages, programs per SM, early) of the tensor-core kernel
-# (kernels/triton_int4_mma.py) at one row: 16 or 32 outputs per warp, with and without the
+# (kernels/int4/triton_mma.py) at one row: 16 or 32 outputs per warp, with and without the
 # early first block.
 MMA_SWEEP = [
     (bn, w, 3, pps, early)
@@ -144,18 +159,20 @@ def mma_row(
     dense = bf16_weights(k, n) if any(m > 1 for m in rows) else []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1)
+        ref = int4_reference.int4_gemm(x.float(), weight(t, "gptq"))
         cfg = pick_mma_config(m, n, k, num_sms)
-        out = int4_mma(x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, cfg).float()
+        out = int4_mma(x, weight(t, "pairs"), None, cfg).float()
         row[f"m{m}_rel_err_mma"] = float((out - ref).norm() / ref.norm())
         if m == 1:
-            old = [functools.partial(gemv_rows, x, s["rows"], s["qzeros"], s["scales"], None, GROUP, 1, pick_rows_config(n, k, num_sms)) for s in sets]
+            old = [
+                functools.partial(gemv_rows, x, weight(s, "rows"), None, pick_rows_config(n, k, num_sms)) for s in sets
+            ]
         else:
-            old = [functools.partial(int4_gemm_rows, x, s["rows"], s["qzeros"], s["scales"], GROUP, 1) for s in sets]
+            old = [functools.partial(int4_gemm_rows, x, weight(s, "rows")) for s in sets]
         row[f"m{m}_rows_us"] = round(timed(old), 2)
         if m == 1:  # the same GEMV reading the pairs layout
             cfg = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))
-            calls = [functools.partial(gemv_rows, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg, True) for s in sets]
+            calls = [functools.partial(gemv_rows, x, weight(s, "pairs"), None, cfg) for s in sets]
             row["m1_pairs_gemv_us"] = round(timed(calls), 2)
         if m > 1:  # the bf16 product it replaces (cuBLAS, as decode runs bf16 above one row)
             row[f"m{m}_bf16_us"] = bf16_us(x, dense)
@@ -164,13 +181,16 @@ def mma_row(
         if quick:
             configs = [default]
         elif m == 1:
-            configs = [default] + [pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP]
+            configs = [default] + [
+                pick_mma_config(m, n, k, num_sms, bn, w, pps, st, e) for bn, w, st, pps, e in MMA_SWEEP
+            ]
         else:  # the split of K (its fp32 partials grow with the rows of x) on both tile shapes
             configs = [default] + [
-                pick_mma_config(m, n, k, num_sms, bn, w, pps) for (bn, w), pps in itertools.product(MMA_WIDE_TILES, (1, 2, 4, 8))
+                pick_mma_config(m, n, k, num_sms, bn, w, pps)
+                for (bn, w), pps in itertools.product(MMA_WIDE_TILES, (1, 2, 4, 8))
             ]
         for cfg in configs:
-            calls = [functools.partial(int4_mma, x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, cfg) for s in sets]
+            calls = [functools.partial(int4_mma, x, weight(s, "pairs"), None, cfg) for s in sets]
             sweep.append((round(timed(calls), 2), f"{'default ' if cfg is default else ''}{cfg}"))
         sweep.sort()
         row[f"m{m}_mma_best"] = sweep[:4]
@@ -184,15 +204,16 @@ def check_and_batched(name: str, k: int, n: int, sets: list[dict[str, torch.Tens
     row: dict[str, object] = {"shape": name}
     for m in (1, 4, 16, 64, 200):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1).float()
-        new = kernels.int4_gemm(x, t["rows"], t["qzeros"], t["scales"], None, GROUP, "rows", 1).float()
-        old = int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, GROUP, "gptq", 1).float()
+        ref = int4_reference.int4_gemm(x, weight(t, "gptq")).float()
+        new = int4_dispatch.int4_gemm(x, weight(t, "rows")).float()
+        old = int4_gemm(x, weight(t, "gptq")).float()
         row[f"m{m}_rel_err_rows"] = float((new - ref).norm() / ref.norm())
         row[f"m{m}_rel_err_gptq"] = float((old - ref).norm() / ref.norm())
         if m in (4, 16, 64):
-            args = (t["qzeros"], t["scales"], None, GROUP)
-            row[f"m{m}_rows_us"] = round(timed([functools.partial(int4_gemm_rows, x, s["rows"], s["qzeros"], s["scales"], GROUP, 1) for s in sets]), 2)
-            row[f"m{m}_gptq_us"] = round(timed([functools.partial(int4_gemm, x, s["qweight"], *args, "gptq", 1) for s in sets]), 2)
+            row[f"m{m}_rows_us"] = round(
+                timed([functools.partial(int4_gemm_rows, x, weight(s, "rows")) for s in sets]), 2
+            )
+            row[f"m{m}_gptq_us"] = round(timed([functools.partial(int4_gemm, x, weight(s, "gptq")) for s in sets]), 2)
     print(json.dumps(row), flush=True)
 
 
@@ -202,7 +223,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--mma", action="store_true", help="only the tensor-core kernel against the rows GEMV")
     parser.add_argument("--mma-rows", default="1,4,16,64,128", help="rows of x for --mma")
-    parser.add_argument("--silu-mul", action="store_true", help="gate_up's pairs GEMV with SiLU-and-mul, as decode runs it")
+    parser.add_argument("--silu-mul", action="store_true",
+                        help="gate_up's pairs GEMV with SiLU-and-mul, as decode runs it")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9)}), flush=True)

@@ -31,9 +31,10 @@ import torch
 
 from benchmarks.bench_layer_stream import graph_ms
 from benchmarks.gluon_int4_gemv import GROUP, descriptor, gemv_cp, gemv_tma, stages_for
-from vllm_cluster.kernels import int4_reference
+from vllm_cluster.kernels.int4 import reference as int4_reference
 from vllm_cluster.kernels.int4.layouts import gptq_to_pairs, pairs_to_tiles
 from vllm_cluster.kernels.int4.triton_mma_gemv import MmaGemvConfig, gemv_pairs_mma, pick_mma_gemv_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
 # llama-3.1-8b's projections, (K, N); gate_up plain (no SiLU), as both kernels run it here.
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -43,15 +44,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--variants", default="tma:32,cp:0,cp:1,cp:3",
-                        help="tma:KB (the TMA ring, at most KB a program) or cp:S (S steps by cp.async before the wait), comma-separated")  # fmt: skip
+                        help="tma:KB (the TMA ring, at most KB a program) "
+                             "or cp:S (S steps by cp.async before the wait), comma-separated")  # fmt: skip
     parser.add_argument("--small", action="store_true",
-                        help="qkv, o and down on 4-warp programs of one tile, one block a warp and step (64 registers)")  # fmt: skip
+                        help="qkv, o and down on 4-warp programs of one tile, "
+                             "one block a warp and step (64 registers)")  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = {name: pick_mma_gemv_config(n, k, sms) for name, (k, n) in SHAPES.items()}
     if args.small:
-        configs |= {name: MmaGemvConfig(tiles=1, unroll=1, split_k=1, num_warps=4, k_warps=4) for name in ("qkv", "o", "down")}
+        configs |= {
+            name: MmaGemvConfig(tiles=1, unroll=1, split_k=1, num_warps=4, k_warps=4) for name in ("qkv", "o", "down")
+        }
     print(f"{args.layers} layers; configs: " + "; ".join(f"{name} {c}" for name, c in configs.items()))
     layers = []
     for _ in range(args.layers):
@@ -73,7 +78,7 @@ def main() -> None:
             k, n = SHAPES[name]
             cfg = configs[name]
             if kind == "production":
-                return gemv_pairs_mma(x, w["tiles"], w["qzeros"], w["scales"], GROUP, 1, cfg, tiled=True)
+                return gemv_pairs_mma(x, Int4Weight(w["tiles"], w["qzeros"], w["scales"], None, GROUP, "tiles", 1), cfg)
             y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
             if kind == "tma":
                 return gemv_tma(x, w["desc"], w["qzeros"], w["scales"], n, k, cfg, stages_for(k, cfg, int(value)), y)
@@ -88,7 +93,9 @@ def main() -> None:
     for name, (k, _) in SHAPES.items():
         w = layers[0][name]
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-        ref = int4_reference.int4_gemm(x.float(), w["qweight"], w["qzeros"], w["scales"].float(), None, GROUP, "gptq", 1)
+        ref = int4_reference.int4_gemm(
+            x.float(), Int4Weight(w["qweight"], w["qzeros"], w["scales"].float(), None, GROUP, "gptq", 1)
+        )
         errs = [f"{spec} {float((fn(x, w, name).float() - ref).norm() / ref.norm()):.5f}" for spec, fn in gemvs.items()]
         print(f"{name}: relative error " + ", ".join(errs), flush=True)
 
@@ -125,7 +132,8 @@ def main() -> None:
         out = chain(count=1).float()
         first = out if first is None else first
         ms = graph_ms(chain)
-        print(f"| {spec} | {ms * 1000 / args.layers:.2f} | {float((out - first).norm() / first.norm()):.2e} |", flush=True)
+        print(f"| {spec} | {ms * 1000 / args.layers:.2f} | {float((out - first).norm() / first.norm()):.2e} |",
+              flush=True)
 
 if __name__ == "__main__":
     main()

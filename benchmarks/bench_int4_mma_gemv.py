@@ -1,19 +1,19 @@
-"""The batch-1 INT4 GEMV on warp-level MMAs (kernels/triton_int4_mma_gemv.py) against the x2
-arithmetic CUDA-core GEMV on the same pairs layout (kernels/triton_int4_rows.py) in the same
+"""The batch-1 INT4 GEMV on warp-level MMAs (kernels/int4/triton_mma_gemv.py) against the x2
+arithmetic CUDA-core GEMV on the same pairs layout (kernels/int4/triton_rows.py) in the same
 run, on llama-3.1-8b's shapes (many calls in one CUDA graph over weights larger than the L2),
 each at its default config with its relative error against the fp32 reference, gate_up also
 with SiLU-and-mul fused (as decode runs it); then 2, 4 and 8 rows of x (batched decode; up
 to MAX_ROWS, in programs of 8 rows) against the tl.dot tensor-core kernel
-(kernels/triton_int4_mma.py) and the bf16 cuBLAS product, and a sweep of the MMA
+(kernels/int4/triton_mma.py) and the bf16 cuBLAS product, and a sweep of the MMA
 GEMV's configs at `--sweep-rows` rows of x (one by default).
 
     PYTHONPATH=. python benchmarks/bench_int4_mma_gemv.py [--quick] [--shapes qkv,o,gate_up,down,lm_head] [--rows 2,4,8]
         [--layout tiles|pairs] [--vary MODULE.ATTR=A,B] [--sweep-rows 1]
 
 `--vary` runs it all once per value of a module attribute (e.g.
-kernels.triton_int4_mma_gemv.WARP_SPLIT=1,8), each row naming its setting.
+kernels.int4.triton_mma_gemv.WARP_SPLIT=1,8), each row naming its setting.
 
-The MMA kernels read `--layout` (tiles, decode's, by default; kernels/int4_rows.py), the x2
+The MMA kernels read `--layout` (tiles, decode's, by default; kernels/int4/layouts.py), the x2
 GEMV the pairs layout it reads.
 """
 
@@ -30,12 +30,13 @@ from benchmarks import vary
 from benchmarks.bench_gemv import copy_bandwidth
 from benchmarks.bench_int4_gemv import GROUP, bf16_us, bf16_weights, packed_set, timed
 from benchmarks.bench_int4_gemv import SHAPES as BENCH_SHAPES
-from vllm_cluster.kernels import int4_reference
-from vllm_cluster.kernels.dispatch import silu_and_mul
-from vllm_cluster.kernels.int4_rows import pairs_to_tiles
-from vllm_cluster.kernels.triton_int4_mma import int4_mma, pick_mma_config
-from vllm_cluster.kernels.triton_int4_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
-from vllm_cluster.kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels.elementwise.dispatch import silu_and_mul
+from vllm_cluster.kernels.int4 import reference as int4_reference
+from vllm_cluster.kernels.int4.layouts import pairs_to_tiles
+from vllm_cluster.kernels.int4.triton_mma import int4_mma, pick_mma_config
+from vllm_cluster.kernels.int4.triton_mma_gemv import gemv_pairs_mma, pick_mma_gemv_config
+from vllm_cluster.kernels.int4.triton_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
 # (16-row tiles per warp, blocks of 128 inputs per warp and step, warps, warps a tile's K is
 # split over, warps per SM K is split over programs until)
@@ -58,18 +59,22 @@ def shape_row(
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sets = [packed_set(k, n) for _ in range(max(2, int(4e8 // (k * n // 2))))]
     tiled = layout == "tiles"
-    for s in sets:  # the MMA kernels' weight: "w"
-        s["w"] = pairs_to_tiles(s["pairs"]) if tiled else s["pairs"]
+    for s in sets:  # the x2 GEMV's weight: "pairs_weight"; the MMA kernels': "w"
+        s["pairs_weight"] = Int4Weight(s["pairs"], s["qzeros"], s["scales"], None, GROUP, "pairs", 1)
+        s["w"] = Int4Weight(
+            pairs_to_tiles(s["pairs"]) if tiled else s["pairs"], s["qzeros"], s["scales"], None, GROUP, layout, 1
+        )
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     nbytes = k * n // 2
     row: dict[str, object] = {"shape": name} | ({"setting": setting} if setting else {})
     t = sets[0]
-    ref = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
+    gptq = Int4Weight(t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
+    ref = int4_reference.int4_gemm(x.float(), gptq)
     pairs = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, GROUP))
     mma = pick_mma_gemv_config(n, k, num_sms)
     for label, fn in (
-        ("pairs", lambda s: gemv_rows(x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, pairs, True)),
-        ("mma", lambda s: gemv_pairs_mma(x, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, tiled=tiled)),
+        ("pairs", lambda s: gemv_rows(x, s["pairs_weight"], None, pairs)),
+        ("mma", lambda s: gemv_pairs_mma(x, s["w"], mma)),
     ):
         y = fn(t).float()
         row[f"{label}_rel_err"] = round(float((y - ref).norm() / ref.norm()), 5)
@@ -78,24 +83,24 @@ def shape_row(
         row[f"{label}_of_copy"] = round(nbytes / us / 1e3 / (bandwidth / 1e9), 3)
     if name == "gate_up":  # decode's gate_up: SiLU-and-mul in the GEMV
         mma = pick_mma_gemv_config(n, k, num_sms, silu_mul=True)
-        silu = silu_and_mul(gemv_rows(x, t["pairs"], t["qzeros"], t["scales"], None, GROUP, 1, pairs, True))
-        fused = gemv_pairs_mma(x, t["w"], t["qzeros"], t["scales"], GROUP, 1, mma, True, tiled)
+        silu = silu_and_mul(gemv_rows(x, t["pairs_weight"], None, pairs))
+        fused = gemv_pairs_mma(x, t["w"], mma, True)
         row["mma_silu_equal_x2_silu"] = round(float((fused.float() - silu.float()).norm() / silu.float().norm()), 5)
         for label, fn in (
-            ("pairs_silu", lambda s: gemv_rows(x, s["pairs"], s["qzeros"], s["scales"], None, GROUP, 1, pairs, True, True)),
-            ("mma_silu", lambda s: gemv_pairs_mma(x, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, True, tiled)),
+            ("pairs_silu", lambda s: gemv_rows(x, s["pairs_weight"], None, pairs, True)),
+            ("mma_silu", lambda s: gemv_pairs_mma(x, s["w"], mma, True)),
         ):
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
     dense = bf16_weights(k, n) if rows else []
     for m in rows:  # batched decode: x's rows in the MMA's columns, against the tl.dot kernel and bf16
         xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row[f"bf16_m{m}_us"] = bf16_us(xm, dense)
-        refm = int4_reference.int4_gemm(xm.float(), t["qweight"], t["qzeros"], t["scales"].float(), None, GROUP, "gptq", 1)
+        refm = int4_reference.int4_gemm(xm.float(), gptq)
         dot = pick_mma_config(m, n, k, num_sms)
         mma = pick_mma_gemv_config(n, k, num_sms, rows=m)
         for label, fn in (
-            (f"dot_m{m}", lambda s, xm=xm, dot=dot: int4_mma(xm, s["w"], s["qzeros"], s["scales"], None, GROUP, 1, dot, tiled)),
-            (f"mma_m{m}", lambda s, xm=xm, mma=mma: gemv_pairs_mma(xm, s["w"], s["qzeros"], s["scales"], GROUP, 1, mma, tiled=tiled)),
+            (f"dot_m{m}", lambda s, xm=xm, dot=dot: int4_mma(xm, s["w"], None, dot)),
+            (f"mma_m{m}", lambda s, xm=xm, mma=mma: gemv_pairs_mma(xm, s["w"], mma)),
         ):
             row[f"{label}_rel_err"] = round(float((fn(t).float() - refm).norm() / refm.norm()), 5)
             row[f"{label}_us"] = round(timed([functools.partial(fn, s) for s in sets]), 2)
@@ -105,8 +110,11 @@ def shape_row(
         if (k // 128) % (k_warps * unroll):
             continue
         cfg = pick_mma_gemv_config(n, k, num_sms, tiles, unroll, warps, k_warps, wps, rows=sweep_rows)
-        calls = [functools.partial(gemv_pairs_mma, xs, s["w"], s["qzeros"], s["scales"], GROUP, 1, cfg, tiled=tiled) for s in sets]
-        sweep.append((round(timed(calls), 2), f"tiles={tiles} u={cfg.unroll} w={warps} kw={k_warps} wps={wps} split={cfg.split_k}"))
+        calls = [functools.partial(gemv_pairs_mma, xs, s["w"], cfg) for s in sets]
+        sweep.append((
+            round(timed(calls), 2),
+            f"tiles={tiles} u={cfg.unroll} w={warps} kw={k_warps} wps={wps} split={cfg.split_k}",
+        ))
     if sweep:
         sweep.sort()
         row["mma_best"] = sweep[:8]
@@ -118,11 +126,13 @@ def shape_row(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
-    parser.add_argument("--rows", default="2,4,8", help="rows of x (batched decode) against the tl.dot kernel; '' for none")
+    parser.add_argument("--rows", default="2,4,8",
+                        help="rows of x (batched decode) against the tl.dot kernel; '' for none")
     parser.add_argument("--shapes", default=",".join(BENCH_SHAPES), help="also: lm_head")
     parser.add_argument("--layout", default="tiles", choices=("tiles", "pairs"), help="the MMA kernels' weight layout")
     parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
-                        help="run once per value of a module attribute, e.g. kernels.triton_int4_mma_gemv.WARP_SPLIT=1,8")
+                        help="run once per value of a module attribute, "
+                             "e.g. kernels.int4.triton_mma_gemv.WARP_SPLIT=1,8")
     parser.add_argument("--sweep-rows", type=int, default=1, help="rows of x (1-8) the config sweep runs at")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()

@@ -2,7 +2,7 @@
 measured on reads alone (H200).
 
 Batch-1 INT4 decode is a chain of GEMVs, each one kernel: a kernel ramps up, drains, and
-hands over to the next under PDL (kernels/pdl.py). Two designs could keep the memory busy
+hands over to the next under PDL (kernels/sync/pdl.py). Two designs could keep the memory busy
 across those hand-overs: a persistent kernel running a layer's four projections in one
 launch, its programs meeting at a grid barrier between them; or each kernel reading more of
 its weights before its PDL wait, while the kernel before drains. This benchmark bounds both
@@ -133,7 +133,8 @@ def _layers_kernel(
         acc = _phase(base, x_ptr, counter_ptr, acc, phase, programs, QKV, CHUNK, BARRIER, AHEAD)
         acc = _phase(base + QKV, x_ptr, counter_ptr, acc, phase + 1, programs, O_WORDS, CHUNK, BARRIER, AHEAD)
         acc = _phase(base + QKV + O_WORDS, x_ptr, counter_ptr, acc, phase + 2, programs, GATE_UP, CHUNK, BARRIER, AHEAD)
-        acc = _phase(base + QKV + O_WORDS + GATE_UP, x_ptr, counter_ptr, acc, phase + 3, programs, DOWN, CHUNK, BARRIER, AHEAD)
+        acc = _phase(base + QKV + O_WORDS + GATE_UP, x_ptr, counter_ptr, acc, phase + 3, programs, DOWN, CHUNK,
+                     BARRIER, AHEAD)
     tl.store(y_ptr + pid, tl.sum(acc, axis=0))
 
 
@@ -167,7 +168,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--configs", default="8x4x2,1x16x4",
                         help="programs an SM x warps a program x 16-byte loads a thread a step, comma-separated")
-    parser.add_argument("--ahead", default="1,4", help="steps a program reads before its wait or barrier, comma-separated")
+    parser.add_argument("--ahead", default="1,4",
+                        help="steps a program reads before its wait or barrier, comma-separated")
     parser.add_argument("--hold", default="0", help="`launches`: registers a thread holds throughout, comma-separated")
     parser.add_argument("--variants", default="launches,stream,barriers")
     parser.add_argument("--layers-per-launch", default="32", help="for `barriers`, comma-separated")
@@ -184,7 +186,8 @@ def main() -> None:
     layer_mb = layer_words * 4 / 1e6
     variants = args.variants.split(",")
     print(f"{layers} layers of {layer_mb:.1f} MB ({', '.join(f'{k} {v * 4 / 1e6:.1f}' for k, v in words.items())})")
-    print("| variant | programs/SM x warps x loads a step x steps ahead | registers | ms (all layers) | us a layer | TB/s |")
+    print("| variant | programs/SM x warps x loads a step x steps ahead | registers | ms (all layers) "
+          "| us a layer | TB/s |")
     print("|---|---|---|---|---|---|")
 
     for spec, ahead in itertools.product(args.configs.split(","), (int(a) for a in args.ahead.split(","))):
@@ -226,7 +229,8 @@ def main() -> None:
         if "stream" in variants:
             handle, _ = compiled(_layers_kernel, w[0], x, y, counters[0], layer_words, **shape_args, LAYERS=layers,
                                  CHUNK=chunk, BARRIER=False, AHEAD=ahead)  # fmt: skip
-            row(f"stream (no barriers, {layers} layers a launch)", handle.n_regs, graph_ms(lambda: persistent(layers, False)))
+            row(f"stream (no barriers, {layers} layers a launch)", handle.n_regs,
+                graph_ms(lambda: persistent(layers, False)))
         for per_launch in (int(v) for v in args.layers_per_launch.split(",")) if "barriers" in variants else ():
             handle, resident = compiled(_layers_kernel, w[0], x, y, counters[0], layer_words, **shape_args,
                                         LAYERS=per_launch, CHUNK=chunk, BARRIER=True, AHEAD=ahead)  # fmt: skip

@@ -137,10 +137,15 @@ def main() -> None:
         offsets = arrival_offsets(args.num, args.rate, 1.0, seed=0)
         schedule = Schedule(request_rate=args.rate, seed=0)
         print(f"{args.num} requests at {args.rate:g} req/s, {NUM_TOKENS} streamed tokens each; client CPU per request")
-        print(f"{'target':<8} {'bare ms':>8} {'harness ms':>11} {'overhead ms':>12} {'achieved req/s':>15} {'p99 ttft ms':>12}")
+        print(f"{'target':<8} {'bare ms':>8} {'harness ms':>11} {'overhead ms':>12} "
+              f"{'achieved req/s':>15} {'p99 ttft ms':>12}")
         for name, target, bare in (
             ("grpc", GrpcTarget(grpc_address, "stub"), lambda: asyncio.run(_bare_grpc(grpc_address, offsets))),
-            ("openai", OpenAITarget(base_url, "stub"), lambda: asyncio.run(_bare_http(base_url + "/v1/completions", offsets))),
+            (
+                "openai",
+                OpenAITarget(base_url, "stub"),
+                lambda: asyncio.run(_bare_http(base_url + "/v1/completions", offsets)),
+            ),
         ):
             bare_cpu, _ = _cpu(bare)
             harness_cpu, outcome = _cpu(lambda t=target: asyncio.run(run(t, requests, schedule, progress=False)))

@@ -49,12 +49,15 @@ def main() -> None:
                    max_model_len=args.input_len + args.output_len + 16, max_num_seqs=max(args.num_prompts, 16),
                    max_num_batched_tokens=max(1024, args.input_len), enable_prefix_caching=False)
     if args.device == "cpu":
-        options |= dict(dtype="float32", num_blocks=args.num_prompts * (-(-(args.input_len + args.output_len) // 16) + 1))
+        options |= dict(dtype="float32",
+                        num_blocks=args.num_prompts * (-(-(args.input_len + args.output_len) // 16) + 1))
     base = LLM(args.model, **options)
     lora = LLM(args.model, enable_lora=True, max_loras=max(counts), max_lora_rank=args.rank, **options)
     root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
-    adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(root / f"a{i}", lora.core.model.config, rank=args.rank, seed=i)))
-                for i in range(max(counts))]
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(write_adapter(root / f"a{i}", lora.core.model.config, rank=args.rank, seed=i)))
+        for i in range(max(counts))
+    ]
     prompts = random_prompts(random.Random(0), args.num_prompts, args.input_len, lora.core.vocab_size)
     cases: list[tuple[str, LLM, list[LoRARequest | None]]] = [
         ("base model, engine without LoRA", base, [None] * args.num_prompts),

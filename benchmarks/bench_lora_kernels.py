@@ -1,4 +1,4 @@
-"""The batched-LoRA kernels alone (kernels/triton_lora.py) on CUDA: microseconds per call,
+"""The batched-LoRA kernels alone (kernels/lora/triton_shrink_expand.py) on CUDA: microseconds per call,
 replayed in a CUDA graph as the engine's decode steps are.
 
     PYTHONPATH=. python benchmarks/bench_lora_kernels.py [--sweep]
@@ -20,12 +20,14 @@ from functools import partial
 import torch
 import triton
 
-from vllm_cluster.kernels import triton_lora
-from vllm_cluster.kernels.triton_lora import ShrinkTiles
+from vllm_cluster.kernels.lora import triton_shrink_expand as triton_lora
+from vllm_cluster.kernels.lora.triton_shrink_expand import ShrinkTiles
 
 RANK, NUM_LORAS = 16, 16
 # name: (K, the parts' output columns)
-LINEARS = {"qkv": (2048, (2048, 512, 512)), "o": (2048, (2048,)), "gate_up": (2048, (8192, 8192)), "down": (8192, (2048,))}
+LINEARS = {
+    "qkv": (2048, (2048, 512, 512)), "o": (2048, (2048,)), "gate_up": (2048, (8192, 8192)), "down": (8192, (2048,)),
+}
 SHRINK_TILES = [ShrinkTiles(bt, bk, kps) for bt, bk, kps in
                 [(16, 128, 256), (16, 64, 128), (16, 128, 512), (64, 128, 256), (64, 128, 512), (32, 128, 256)]]
 EXPAND_BLOCK_T = [16, 32, 64]
@@ -85,7 +87,8 @@ def sweep_tables(slots_by_batch: dict[str, torch.Tensor]) -> None:
     print("\nexpand, us: block_t x batch/linear")
     print("| block_t | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for block_t in EXPAND_BLOCK_T:
-        cells = [f"{expand_us(slots, linear, block_t):.1f}" + ("*" if triton_lora.token_block(len(slots)) == block_t else "")
+        cells = [f"{expand_us(slots, linear, block_t):.1f}"
+                 + ("*" if triton_lora.token_block(len(slots)) == block_t else "")
                  for slots in slots_by_batch.values() for linear in LINEARS]
         print(f"| {block_t} | " + " | ".join(cells) + " |")
 

@@ -99,7 +99,9 @@ def _client_side_overlap(client: redis.Redis, keys: IndexKeys, block_hashes: Seq
     return result
 
 
-def _naive_lookup(script: Callable[..., list[bytes | int]], keys: IndexKeys, block_hashes: Sequence[bytes]) -> dict[str, int]:
+def _naive_lookup(
+    script: Callable[..., list[bytes | int]], keys: IndexKeys, block_hashes: Sequence[bytes]
+) -> dict[str, int]:
     flat = script(keys=[keys.instances], args=[keys.prefix, *block_hashes])
     return {bytes(flat[i]).decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 

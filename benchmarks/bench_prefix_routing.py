@@ -25,7 +25,9 @@ from vllm_cluster.client import Client, Completion
 from vllm_cluster.cluster.local import LocalCluster
 
 
-def run_workload(client: Client, requests: list[list[int]], output_len: int, concurrency: int) -> tuple[list[Completion], float]:
+def run_workload(
+    client: Client, requests: list[list[int]], output_len: int, concurrency: int
+) -> tuple[list[Completion], float]:
     def ask(prompt: list[int]) -> Completion:
         return client.generate(token_ids=prompt, max_tokens=output_len, temperature=0, ignore_eos=True)
 
@@ -77,7 +79,8 @@ def main() -> None:
     print(f"\n{args.num_requests} requests over {args.num_system} system prompts of {args.system_len} tokens "
           f"(+16 own tokens, {args.output_len} out), concurrency {args.concurrency}, "
           f"{args.num_blocks} KV blocks per instance\n")
-    print("| policy | TTFT p50 ms | TTFT p90 ms | requests/s | output tok/s | decode-cached prompt share | prefill skipped |")
+    print("| policy | TTFT p50 ms | TTFT p90 ms | requests/s | output tok/s | decode-cached prompt share "
+          "| prefill skipped |")
     print("|---|---|---|---|---|---|---|")
     for policy, p50, p90, rps, tps, cached, skipped in rows:
         print(f"| {policy} | {p50:.0f} | {p90:.0f} | {rps:.2f} | {tps:.1f} | {cached:.0%} | {skipped:.0%} |")

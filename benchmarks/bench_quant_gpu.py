@@ -15,11 +15,11 @@ throughput (128 prompts of 512 random tokens, 128 generated each, all submitted 
 `--num-prompts 16,32,128` for fewer at once: decode steps of that many rows).
 Weights are random (no checkpoints can be downloaded here); speed does not depend on them.
 `--pdl off,on` repeats the batch-1 runs with programmatic dependent launch off and on
-(kernels/pdl.py; the ratios are against the bf16 of the same setting) and checks that both
+(kernels/sync/pdl.py; the ratios are against the bf16 of the same setting) and checks that both
 settings give the same greedy tokens. `--lane-sums off,on` does the same for the 1-byte
-GEMV's per-thread partial sums (kernels/triton_gemv.LANE_SUMS), `--decode-rotary off,on`
+GEMV's per-thread partial sums (kernels/linear/triton_w8_gemv.LANE_SUMS), `--decode-rotary off,on`
 for the decode attention rotating and caching the new token itself
-(kernels.rotary_paged_attention) against the separate rotary + KV write launch before it,
+(rotary_paged_attention, kernels/attention/dispatch.py) against the separate rotary + KV write launch before it,
 `--lm-head cublas,gemv` for the logits through cuBLAS or the Triton GEMV, and `--vary
 MODULE.ATTR=A,B` for any module-level switch read at graph capture. Every
 combination runs every method. `--int4-gemv read` is a bound, not a kernel: each INT4 GEMV
@@ -46,12 +46,16 @@ from triton.language.extra.cuda import gdc_wait
 
 from benchmarks import vary
 from benchmarks.bench_gpu import num_params, ours_generate, prompts, roofline
-from vllm_cluster.kernels import dispatch as kernels
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.engine.errors import EngineError
 from vllm_cluster.engine.layers import attention
 from vllm_cluster.engine.models.llama import CausalLM
-from vllm_cluster.kernels import int4_rows, pdl, triton_gemv, triton_int4_mma, triton_int4_mma_gemv
+from vllm_cluster.kernels.attention import dispatch as attention_ops
+from vllm_cluster.kernels.int4 import layouts, triton_mma, triton_mma_gemv
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear import triton_w8_gemv
+from vllm_cluster.kernels.linear.dispatch import linear
+from vllm_cluster.kernels.sync import pdl
 
 PRESET = "llama-3.1-8b"
 RESULTS: list[dict[str, Any]] = []
@@ -114,12 +118,12 @@ def _apply(name: str, value: str) -> None:
         pdl.ENABLED = value == "on"
     elif name == "decode-rotary":
         attention.rotary_paged_attention = (
-            kernels.rotary_paged_attention if value == "on" else _rotary_write_then_attend
+            attention_ops.rotary_paged_attention if value == "on" else _rotary_write_then_attend
         )
     elif name == "lane-sums":
-        triton_gemv.LANE_SUMS = value == "on"
+        triton_w8_gemv.LANE_SUMS = value == "on"
     elif name == "int4-gemv":
-        triton_int4_mma.mma_gemv.gemv_pairs_mma = _MMA_GEMV if value == "mma" else _read_only_gemv
+        triton_mma.mma_gemv.gemv_pairs_mma = _MMA_GEMV if value == "mma" else _read_only_gemv
     elif name == "lm-head":  # cuBLAS (CausalLM.compute_logits: nn.Linear) or the Triton GEMV
         CausalLM.compute_logits = _COMPUTE_LOGITS if value == "cublas" else _gemv_logits  # type: ignore[method-assign]
     else:
@@ -127,7 +131,7 @@ def _apply(name: str, value: str) -> None:
 
 
 _COMPUTE_LOGITS = CausalLM.compute_logits
-_MMA_GEMV = triton_int4_mma_gemv.gemv_pairs_mma
+_MMA_GEMV = triton_mma_gemv.gemv_pairs_mma
 
 
 @triton.jit
@@ -148,15 +152,16 @@ def _read_only_kernel(w_ptr, y_ptr, num_words, n_out, OUT_BLOCK: tl.constexpr, P
 
 
 def _read_only_gemv(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-    zero_offset: int, config: triton_int4_mma_gemv.MmaGemvConfig, silu_mul: bool = False, tiled: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor, weight: Int4Weight, config: triton_mma_gemv.MmaGemvConfig, silu_mul: bool = False
+) -> torch.Tensor:
     """`--int4-gemv read`: the MMA GEMV's call replaced by a read of its packed weight by
     8 programs an SM (or fewer, one per 4 KB)."""
-    m, (n, _) = x.shape[0], int4_rows.pairs_shape(qweight)
+    qweight = weight.qweight
+    m, (n, _) = x.shape[0], layouts.pairs_shape(qweight)
     n_out = n // 2 if silu_mul else n
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    programs = min(8 * torch.cuda.get_device_properties(x.device).multi_processor_count, triton.cdiv(qweight.numel(), 1024))
+    programs = min(8 * torch.cuda.get_device_properties(x.device).multi_processor_count,
+                   triton.cdiv(qweight.numel(), 1024))
     use_pdl = pdl.enabled(x)
     out_block = triton.next_power_of_2(triton.cdiv(m * n_out, programs))
     _read_only_kernel[(programs,)](qweight, y, qweight.numel(), m * n_out, OUT_BLOCK=out_block, PDL=use_pdl,
@@ -166,13 +171,13 @@ def _read_only_gemv(
 
 def _gemv_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     """`--lm-head gemv`: the logits of a batch-1 row through the Triton GEMV."""
-    return kernels.linear(hidden, self.lm_head.weight)
+    return linear(hidden, self.lm_head.weight)
 
 
 def _rotary_write_then_attend(q, k, v, cos, sin, kv_cache, meta, scale, k_scale=None, v_scale=None):  # type: ignore[no-untyped-def]
     """`--decode-rotary off`: the rotary + KV write launch, then the attention, for decode too."""
-    q, k = kernels.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
-    return kernels.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
+    q, k = attention_ops.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    return attention_ops.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
 
 
 def _free(llm: LLM) -> None:
@@ -189,13 +194,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="batch-1 timings per setting; the median counts")
     parser.add_argument("--num-prompts", default="128", help="offline throughput's prompts at once, e.g. 16,32,128")
     parser.add_argument("--vary", action="append", default=[], metavar="MODULE.ATTR=A,B",
-                        help="also compare these values of a module attribute, e.g. kernels.pdl.SILU_MUL_LATE_TRIGGER=False,True")
+                        help="also compare these values of a module attribute, "
+                             "e.g. kernels.sync.pdl.SILU_MUL_LATE_TRIGGER=False,True")
     parser.add_argument("--lm-head", default="cublas", help="cublas, gemv, or cublas,gemv: the batch-1 logits")
     parser.add_argument("--int4-gemv", default="mma",
                         help="mma, read, or mma,read: the INT4 GEMVs, or a plain read of their bytes (a bound)")
     parser.add_argument("--decode-rotary", default="on",
                         help="on, off, or off,on: decode attention rotates and caches the new token itself")
-    parser.add_argument("--lane-sums", default="off" if not triton_gemv.LANE_SUMS else "on",
+    parser.add_argument("--lane-sums", default="off" if not triton_w8_gemv.LANE_SUMS else "on",
                         help="on, off, or off,on: the 1-byte GEMV's per-thread partial sums")
     args = parser.parse_args()
     copy_bw, _ = roofline()

@@ -65,7 +65,7 @@ def _split4(v, L: gl.constexpr):
 
 @gluon.jit
 def _offset(qzeros_ptr, group, row, N, ZERO_OFFSET: gl.constexpr):
-    """-(128 + zero) of a row (bf16's OFFSET; kernels/triton_int4_mma_gemv.py)."""
+    """-(128 + zero) of a row (bf16's OFFSET; kernels/int4/triton_mma_gemv.py)."""
     zero = ((gl.load(qzeros_ptr + group * (N // 8) + row // 8) >> ((row % 8) * 4)) & 0xF) + ZERO_OFFSET
     return -(128.0 + zero.to(gl.float32))
 
@@ -90,8 +90,12 @@ def _lanes(x_ptr, N, TILES: gl.constexpr, K_WARPS: gl.constexpr, UNROLL: gl.cons
     row_hi = gl.where(row_lo + 8 < N, row_lo + 8, 0)
     row_lo = gl.where(row_lo < N, row_lo, 0)
     x32 = x_ptr.to(gl.pointer_type(gl.uint32))
-    x_pairs = x32 + gl.expand_dims(block * 64 + 4 * t, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L4)), 0)
-    share = gl.convert_layout(block * 64 + 16 * (g // 2) + 4 * t + 2 * (g % 2), gl.SliceLayout(1, L2), assert_trivial=True)
+    x_pairs = (
+        x32 + gl.expand_dims(block * 64 + 4 * t, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L4)), 0)
+    )
+    share = gl.convert_layout(
+        block * 64 + 16 * (g // 2) + 4 * t + 2 * (g % 2), gl.SliceLayout(1, L2), assert_trivial=True
+    )
     x_share = x32 + gl.expand_dims(share, 1) + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, L2)), 0)
     return block, row_lo, row_hi, x_pairs, x_share
 
@@ -105,7 +109,8 @@ def _operands(step, block, row_lo, row_hi, x_pairs, x_share, qzeros_ptr, scales_
     xk = x_pairs + step * 64 * STEP
     return (
         _offset(qzeros_ptr, group, row_lo, N, ZERO_OFFSET), _offset(qzeros_ptr, group, row_hi, N, ZERO_OFFSET),
-        gl.load(scales_ptr + group * N + row_lo).to(gl.float32), gl.load(scales_ptr + group * N + row_hi).to(gl.float32),
+        gl.load(scales_ptr + group * N + row_lo).to(gl.float32),
+        gl.load(scales_ptr + group * N + row_hi).to(gl.float32),
         gl.load(xk), gl.load(xk + 16), gl.load(xk + 32), gl.load(xk + 48), gl.load(x_share + step * 64 * STEP),
     )  # fmt: skip
 
@@ -194,7 +199,9 @@ def _tma_gemv_kernel(
     block, row_lo, row_hi, x_pairs, x_share = _lanes(x_ptr, N, TILES, K_WARPS, UNROLL)
     acc0 = gl.zeros([T], gl.float32, layout=L1)
     acc1 = gl.zeros([T], gl.float32, layout=L1)
-    ops = _operands(0, block, row_lo, row_hi, x_pairs, x_share, qzeros_ptr, scales_ptr, N, STEP, GROUP_BLOCKS, ZERO_OFFSET)
+    ops = _operands(
+        0, block, row_lo, row_hi, x_pairs, x_share, qzeros_ptr, scales_ptr, N, STEP, GROUP_BLOCKS, ZERO_OFFSET
+    )
     for step in range(num_steps):
         slot = step % STAGES
         nxt = gl.minimum(step + 1, num_steps - 1)
@@ -246,7 +253,9 @@ def _cp_gemv_kernel(
     num_tiles = N // 16
     w = gl.load(_weight_ptrs(qweight_ptr, 0, num_blocks, num_tiles, W_LAYOUT, TILES, STEP))
     if SMEM_STEPS > 0:
-        smem = gl.allocate_shared_memory(gl.int32, [SMEM_STEPS, TILES * STEP, 256], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        smem = gl.allocate_shared_memory(
+            gl.int32, [SMEM_STEPS, TILES * STEP, 256], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        )
         for s in gl.static_range(SMEM_STEPS):
             ptrs = _weight_ptrs(qweight_ptr, s + 1, num_blocks, num_tiles, W_LAYOUT, TILES, STEP)
             async_copy.async_copy_global_to_shared(smem.index(s), ptrs)
@@ -256,7 +265,9 @@ def _cp_gemv_kernel(
     block, row_lo, row_hi, x_pairs, x_share = _lanes(x_ptr, N, TILES, K_WARPS, UNROLL)
     acc0 = gl.zeros([T], gl.float32, layout=L1)
     acc1 = gl.zeros([T], gl.float32, layout=L1)
-    ops = _operands(0, block, row_lo, row_hi, x_pairs, x_share, qzeros_ptr, scales_ptr, N, STEP, GROUP_BLOCKS, ZERO_OFFSET)
+    ops = _operands(
+        0, block, row_lo, row_hi, x_pairs, x_share, qzeros_ptr, scales_ptr, N, STEP, GROUP_BLOCKS, ZERO_OFFSET
+    )
     for s in gl.static_range(SMEM_STEPS):  # steps 0..SMEM_STEPS - 1, the next one from shared memory
         n_ops = _operands(s + 1, block, row_lo, row_hi, x_pairs, x_share, qzeros_ptr, scales_ptr, N, STEP,
                           GROUP_BLOCKS, ZERO_OFFSET)  # fmt: skip

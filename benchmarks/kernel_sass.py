@@ -25,7 +25,8 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from vllm_cluster.kernels import int4_mma_ptx, triton_gemv, triton_int4_mma_gemv, triton_int4_rows, triton_linear
+from vllm_cluster.kernels.int4 import mma_ptx, triton_mma_gemv, triton_rows
+from vllm_cluster.kernels.linear import triton_gemv, triton_w8_gemv
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # run-time values a launch does not specialise (1, 2, 3, ...)
@@ -45,7 +46,9 @@ def sass(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_war
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
     try:
-        return subprocess.run([f"{_BIN}/cuobjdump", "--dump-sass", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            [f"{_BIN}/cuobjdump", "--dump-sass", path], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         os.remove(path)
 
@@ -65,7 +68,7 @@ def main_loop(code: str) -> collections.Counter[str]:
     return collections.Counter(m.group(3) for line in lines[loop[0] : loop[1] + 1] if (m := _OP.match(line)))
 
 
-# The norm halves' arguments (kernels/triton_add_norm.py), after each GEMV's own.
+# The norm halves' arguments (kernels/linear/triton_add_norm.py), after each GEMV's own.
 EPILOGUE_SIGNATURE = {
     "residual_ptr": "*bf16", "h_ptr": "*bf16", "norm_weight_ptr": "*bf16", "hg_ptr": "*bf16", "ss_out_ptr": "*fp64",
     "ss_in_ptr": "*fp64", "rms_eps": "fp32",
@@ -85,7 +88,8 @@ MMA_SIGNATURE = {
     "stride_qn": "i32", "split_k": "i32",
 } | EPILOGUE_SIGNATURE  # fmt: skip
 BF16_SIGNATURE = {
-    "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+    "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
+    "stride_wn": "i32",
 } | EPILOGUE_SIGNATURE  # fmt: skip
 
 
@@ -102,12 +106,12 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
                     INT8_PTX=True, PDL=True, SILU_MUL=silu, LANE_SUMS=lane_sums, LATE_TRIGGER=silu,
                 )  # fmt: skip
                 name = f"{fmt} GEMV, {'lane' if lane_sums else 'row'} sums{', SiLU fused' if silu else ''}"
-                out.append((name, triton_gemv._gemv_w8_kernel, W8_SIGNATURE, consts, 4 * 2048 // 128, 4))
+                out.append((name, triton_w8_gemv._gemv_w8_kernel, W8_SIGNATURE, consts, 4 * 2048 // 128, 4))
     for silu in (False, True):
-        consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True, SILU_MUL=silu,
-                      LATE_TRIGGER=silu)
+        consts = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=1 if silu else 2, BLOCK_K=1024, PDL=True, TWO_FIRST=True,
+                      SILU_MUL=silu, LATE_TRIGGER=silu)
         name = f"bf16 GEMV{', SiLU fused' if silu else ''}"
-        out.append((name, triton_linear._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128, 4))
+        out.append((name, triton_gemv._gemv_kernel, BF16_SIGNATURE, consts, 2 * 1024 // 128, 4))
     for layout in ("rows", "pairs", "pairs, x2 math"):
         for warps in (4, 2):  # pick_rows_config: 64 outputs, 2 blocks per step; 4 warps below K = 8192, else 2
             consts = dict(
@@ -115,16 +119,16 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]
                 PDL=True, PAIRS=layout != "rows", PACKED=layout == "pairs, x2 math", FP16=False, SILU_MUL=False,
             )  # fmt: skip
             name = f"INT4 {layout} GEMV, 64 outputs, {warps} warps"
-            out.append((name, triton_int4_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))
+            out.append((name, triton_rows._rows_gemv_kernel, INT4_SIGNATURE, consts, 64 * 256 // (32 * warps), warps))
     # pick_mma_gemv_config's default: 1 tile of 16 rows a warp, 2 blocks a step, 4 warps
     for layout, multi in (("pairs", False), ("tiles", False), ("tiles", True)):
         consts = dict(
-            GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False, MULTI=multi,
-            ASM=int4_mma_ptx.ASM[False, multi], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[multi], TILED=layout == "tiles",
+            GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=1, UNROLL=2, WARPS=4, PDL=True, FP16=False, SILU_MUL=False,
+            MULTI=multi, ASM=mma_ptx.ASM[False, multi], CONSTRAINTS=mma_ptx.CONSTRAINTS[multi], TILED=layout == "tiles",
             LATE_TRIGGER=True, K_WARPS=1,
         )  # fmt: skip
         name = f"INT4 {layout} MMA GEMV, 64 outputs, 4 warps{', 2-8 rows of x' if multi else ''}"
-        out.append((name, triton_int4_mma_gemv._mma_gemv_kernel, MMA_SIGNATURE, consts, 64 * 256 // (32 * 4), 4))
+        out.append((name, triton_mma_gemv._mma_gemv_kernel, MMA_SIGNATURE, consts, 64 * 256 // (32 * 4), 4))
     return out
 
 
@@ -146,7 +150,10 @@ def main() -> None:
         byte = 2 if "bf16" in name else 0.5 if "INT4" in name else 1
         shared = ops["STS"] + ops["LDS"]
         bars = sum(n for op, n in ops.items() if op.startswith("BAR"))
-        print(f"| {name} | {total} | {weights} | {per_weight:.2f} | {per_weight / byte:.2f} | {shared} | {bars} |", flush=True)
+        print(
+            f"| {name} | {total} | {weights} | {per_weight:.2f} | {per_weight / byte:.2f} | {shared} | {bars} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

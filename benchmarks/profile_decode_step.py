@@ -106,7 +106,8 @@ def step_shares(prof: Any, num_steps: int) -> None:
         prev_end = max(end, prev_end or end)
     print(f"step shares (end - previous end), us per step; sum {sum(share.values()) / num_steps:.0f}", flush=True)
     for label, total in sorted(share.items(), key=lambda kv: -kv[1])[:16]:
-        print(f"  {total / num_steps:8.1f} us share  {duration[label] / num_steps:8.1f} us duration  {label}", flush=True)
+        print(f"  {total / num_steps:8.1f} us share  {duration[label] / num_steps:8.1f} us duration  {label}",
+              flush=True)
 
 
 def profile(llm: LLM, prompts: list[list[int]], num_steps: int) -> tuple[float, dict[str, float], list[list[int]]]:
@@ -155,7 +156,8 @@ def main() -> None:
     for batch in batches:
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(1000, vocab - 1000, (batch, 128), generator=g).tolist()
-        row: dict[str, Any] = dict(preset=args.preset, batch=batch, graph_replay_ms=round(replay_ms(llm_async, batch), 3))
+        row: dict[str, Any] = dict(preset=args.preset, batch=batch,
+                                   graph_replay_ms=round(replay_ms(llm_async, batch), 3))
         tokens = {}
         for mode, llm in (("async", llm_async), ("sync", llm_sync)):
             itl, per_step, tokens[mode] = profile(llm, prompts, args.steps)

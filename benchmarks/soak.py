@@ -30,7 +30,8 @@ def main() -> None:
     with cluster:
         report = soak(cluster.router_address, lambda: worker_stats(cluster), args.requests, args.concurrency, args.seed)
         logs = "".join(p.log_file.read_text(errors="replace") for p in cluster.processes)
-    print(f"requests {report.num_requests} in {report.duration_s:.0f} s, concurrency {args.concurrency}, faults {args.faults}")
+    print(f"requests {report.num_requests} in {report.duration_s:.0f} s, concurrency {args.concurrency}, "
+          f"faults {args.faults}")
     print(f"outcomes: {dict(sorted(report.outcomes.items()))}")
     print(f"corrupt chunks detected (decode logs): {logs.count('landed corrupted')}; "
           f"transfers that never completed (dropped chunks): {logs.count('did not arrive')}; "

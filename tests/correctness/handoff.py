@@ -34,7 +34,9 @@ class CopyPush:
         self.finished = True
 
 
-def run_disaggregated(prefill: EngineCore, decode: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[CopyPush]]:
+def run_disaggregated(
+    prefill: EngineCore, decode: EngineCore, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[list[int]], list[CopyPush]]:
     pushes = []
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"

@@ -55,13 +55,15 @@ class Int4Settings:
 
 def float_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named fp32 weights of a Llama config; std 0.2 so logits are far from uniform."""
-    d, inter, hd = config["hidden_size"], config["intermediate_size"], config["hidden_size"] // config["num_attention_heads"]
+    d, inter, hd = (config["hidden_size"], config["intermediate_size"],
+                    config["hidden_size"] // config["num_attention_heads"])
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], d),
                                           "model.norm.weight": (d,), "lm_head.weight": (config["vocab_size"], d)}
-    linear: dict[str, tuple[int, ...]] = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
-              "self_attn.o_proj": (d, q), "mlp.gate_proj": (inter, d), "mlp.up_proj": (inter, d),
-              "mlp.down_proj": (d, inter)}
+    linear: dict[str, tuple[int, ...]] = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d),
+                                          "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
+                                          "mlp.gate_proj": (inter, d), "mlp.up_proj": (inter, d),
+                                          "mlp.down_proj": (d, inter)}
     for i in range(config["num_hidden_layers"]):
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (d,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (d,)

@@ -12,8 +12,7 @@ import torch
 
 from vllm_cluster.engine.layers.attention import Attention
 from vllm_cluster.engine.models import CausalLM
-from vllm_cluster.kernels.dispatch import AttentionMetadata
-from vllm_cluster.kernels.torch_ops import make_plan
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
 
 MAX_NEW_TOKENS = 8
 PROMPTS = [

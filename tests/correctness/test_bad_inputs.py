@@ -41,11 +41,31 @@ BAD_CALLS: list[tuple[str, BadCall, str]] = [
         lambda llm: llm.generate("hello " * 2100, greedy(), use_tqdm=False),
         "max_model_len",
     ),
-    ("max_tokens 0", lambda llm: llm.generate("Hi", SamplingParams(max_tokens=0), use_tqdm=False), "max_tokens must be >= 1"),
-    ("max_tokens -1", lambda llm: llm.generate("Hi", SamplingParams(max_tokens=-1), use_tqdm=False), "max_tokens must be >= 1"),
-    ("temperature < 0", lambda llm: llm.generate("Hi", SamplingParams(temperature=-0.5), use_tqdm=False), "temperature must be >= 0"),
-    ("top_p 0", lambda llm: llm.generate("Hi", SamplingParams(top_p=0.0), use_tqdm=False), r"top_p must be in \(0, 1\]"),
-    ("top_p 1.5", lambda llm: llm.generate("Hi", SamplingParams(top_p=1.5), use_tqdm=False), r"top_p must be in \(0, 1\]"),
+    (
+        "max_tokens 0",
+        lambda llm: llm.generate("Hi", SamplingParams(max_tokens=0), use_tqdm=False),
+        "max_tokens must be >= 1",
+    ),
+    (
+        "max_tokens -1",
+        lambda llm: llm.generate("Hi", SamplingParams(max_tokens=-1), use_tqdm=False),
+        "max_tokens must be >= 1",
+    ),
+    (
+        "temperature < 0",
+        lambda llm: llm.generate("Hi", SamplingParams(temperature=-0.5), use_tqdm=False),
+        "temperature must be >= 0",
+    ),
+    (
+        "top_p 0",
+        lambda llm: llm.generate("Hi", SamplingParams(top_p=0.0), use_tqdm=False),
+        r"top_p must be in \(0, 1\]",
+    ),
+    (
+        "top_p 1.5",
+        lambda llm: llm.generate("Hi", SamplingParams(top_p=1.5), use_tqdm=False),
+        r"top_p must be in \(0, 1\]",
+    ),
     ("n 0", lambda llm: llm.generate("Hi", SamplingParams(n=0), use_tqdm=False), "n must be an integer >= 1"),
     (
         "negative token id",
@@ -100,7 +120,9 @@ def assert_no_leaks(llm: LLM) -> None:
     assert llm.core.kv.pool.num_free_blocks == llm.core.kv.pool.num_blocks
 
 
-@pytest.mark.parametrize(("call", "message"), [(c, m) for _, c, m in BAD_CALLS], ids=[n.replace(" ", "-") for n, _, _ in BAD_CALLS])
+@pytest.mark.parametrize(
+    ("call", "message"), [(c, m) for _, c, m in BAD_CALLS], ids=[n.replace(" ", "-") for n, _, _ in BAD_CALLS]
+)
 def test_bad_request_raises_and_engine_keeps_serving(smollm2: LLM, call: BadCall, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         call(smollm2)

@@ -78,5 +78,7 @@ def test_seeded_sampling_continues_the_same_stream(smollm2: LLM) -> None:
     prompt = tok.encode("Write a word:")
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
     expected = smollm2.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    got, _ = run_disaggregated(smollm2.derive(role="prefill").core, smollm2.derive(role="decode").core, [prompt], params)
+    got, _ = run_disaggregated(
+        smollm2.derive(role="prefill").core, smollm2.derive(role="decode").core, [prompt], params
+    )
     assert got[0] == expected

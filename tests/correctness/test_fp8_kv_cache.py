@@ -25,7 +25,7 @@ from tests.correctness.int4_checkpoint import TINY_LLAMA, float_weights, write_c
 from tests.correctness.mixtral_checkpoint import prefill_logits
 from tests.correctness.test_quantized_smollm2 import TEXTS
 from vllm_cluster.engine import LLM, SamplingParams
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE
 
 NEAR_TIE_NATS = 0.5
 MAX_NEW_TOKENS = 32
@@ -89,7 +89,10 @@ def test_chat_answer_survives(fp8: LLM) -> None:
 K_SCALES, V_SCALES = (0.02, 0.0125), (0.015, 0.025)  # none saturates: |K|, |V| < 448 * 0.0125
 SCALE_NAMES = {
     "self_attn": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.v_scale"),
-    "output_scale": ("model.layers.{i}.self_attn.k_proj.output_scale", "model.layers.{i}.self_attn.v_proj.output_scale"),
+    "output_scale": (
+        "model.layers.{i}.self_attn.k_proj.output_scale",
+        "model.layers.{i}.self_attn.v_proj.output_scale",
+    ),
 }
 PROMPT = [3, 141, 59, 26, 5, 77, 200, 13, 9]
 _TINY_ENGINE = dict(device="cpu", dtype="float32", num_blocks=16, block_size=4, max_model_len=64)
@@ -164,7 +167,7 @@ def test_bad_checkpoint_scale_is_refused(plain_checkpoint: tuple, tmp_path) -> N
 
 def test_fp8_doubles_the_blocks_of_a_16_bit_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same memory budget (memory_fraction of a fixed amount) holds twice the blocks."""
-    monkeypatch.setattr("vllm_cluster.engine.engine_core.available_memory_bytes", lambda device: 256 * 2**20)
+    monkeypatch.setattr("vllm_cluster.engine.startup.available_memory_bytes", lambda device: 256 * 2**20)
     options = dict(load_format="dummy", dtype="bfloat16", device="cpu", memory_fraction=0.25, max_model_len=512,
                    hf_overrides={"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512})

@@ -103,7 +103,11 @@ def test_gpu_kernels_compute_the_dequantized_model(method: str, tmp_path: Path) 
     layers = [quantized.model.layers[0].self_attn.qkv_proj, quantized.model.layers[1].mlp.down_proj]
     layers += [quantized.lm_head] if settings.lm_head else []
     assert all(isinstance(layer, Int4Linear) and layer.layout == "tiles" for layer in layers)
-    for prompts in ([[7]], [list(range(3, 37)), [(11 * i) % 256 for i in range(34)]], [[(5 * i + 1) % 256 for i in range(150)]]):
+    for prompts in (
+        [[7]],
+        [list(range(3, 37)), [(11 * i) % 256 for i in range(34)]],
+        [[(5 * i + 1) % 256 for i in range(150)]],
+    ):
         actual = torch.cat(prefill_logits(quantized, prompts, block_size=16)).float()
         expected = torch.cat(prefill_logits(dequantized, prompts, block_size=16)).float()
         relative_error = float((actual - expected).norm() / expected.norm())

@@ -28,8 +28,10 @@ def _llm(enforce_eager: bool) -> LLM:
 def test_graphs_equal_eager_and_one_by_one(tmp_path: Path) -> None:
     graphs, eager = _llm(False), _llm(True)
     arch = graphs.core.model.config
-    adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp_path / f"a{i}", arch, rank=4 + 4 * i, seed=i, std=0.5)))
-                for i in range(2)]
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp_path / f"a{i}", arch, rank=4 + 4 * i, seed=i, std=0.5)))
+        for i in range(2)
+    ]
     loras: list[LoRARequest | None] = [adapters[0], None, adapters[1]] * 2
     prompts = PROMPTS * 2
     mixed = [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)]

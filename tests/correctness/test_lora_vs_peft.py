@@ -20,7 +20,9 @@ MAX_NEW_TOKENS = 8
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    "]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 CONFIGS = {
-    "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "all": dict(
+        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    ),
     "some": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
 }
 
@@ -85,7 +87,9 @@ def test_mixed_batch_equals_hf_peft(lora_llm: LLM, peft_model: tuple[Any, dict[s
     batch_loras = loras * len(ids)
     outputs = lora_llm.generate(batch_ids, GREEDY, use_tqdm=False, lora_request=batch_loras)
     ours = [o.outputs[0].token_ids for o in outputs]
-    expected = [_hf_greedy(model, p, None if r is None else r.lora_name) for p, r in zip(batch_ids, batch_loras, strict=True)]
+    expected = [
+        _hf_greedy(model, p, None if r is None else r.lora_name) for p, r in zip(batch_ids, batch_loras, strict=True)
+    ]
     assert ours == expected
     for k in (1, 2):  # each adapter changes a completion: the comparison means something
         assert any(ours[3 * i] != ours[3 * i + k] for i in range(len(ids)))

@@ -63,7 +63,9 @@ def quantized(request: Any, smollm2: LLM) -> Iterator[tuple[str, LLM]]:
     model = copy.deepcopy(smollm2.core.model)
     quantize_model(model, get_method(method, quantize_lm_head=lm_head))
     llm = smollm2.derive()  # the tokenizer and config; its engine is replaced below
-    llm.core = EngineCore(smollm2.core.config.with_overrides(quantization=method, quantize_lm_head=lm_head), model=model)
+    llm.core = EngineCore(
+        smollm2.core.config.with_overrides(quantization=method, quantize_lm_head=lm_head), model=model
+    )
     yield name, llm
     del llm, model
 
