@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vllm_cluster.cluster.config import Deployment
 from vllm_cluster.cluster.layout import InstancePlan
+from vllm_cluster.engine.config import EngineRole
 
 ANY_HOST = ("0.0.0.0", "::", "")
 
@@ -30,7 +31,7 @@ def worker_argv(deployment: Deployment, plan: InstancePlan, redis_url: str, kv_h
         argv += ["--num-threads", str(cluster.num_threads)]
     if deployment.wants_prefix_index and redis_url:
         argv += ["--redis-url", redis_url]
-    if cluster.kv_faults and plan.role == "prefill":
+    if cluster.kv_faults and plan.role == EngineRole.PREFILL:
         argv += ["--kv-faults", cluster.kv_faults]
     return argv
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import yaml
 
-from vllm_cluster.engine.config import EngineConfig, build_section, check_types
+from vllm_cluster.engine.config import EngineConfig, EngineRole, build_section, check_types
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.worker.router_config import RouterConfig
 
 TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
-ROLES = ("prefill", "decode")
+ROLES = (EngineRole.PREFILL, EngineRole.DECODE)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -149,7 +149,7 @@ class Deployment:
         return pool
 
     def num_instances(self, role: str) -> int:
-        return self.cluster.num_prefill if role == "prefill" else self.cluster.num_decode
+        return self.cluster.num_prefill if role == EngineRole.PREFILL else self.cluster.num_decode
 
     def parallel_of(self, role: str) -> tuple[int, int]:
         """(tensor_parallel_size, pipeline_parallel_size) of one pool's instances."""

@@ -40,6 +40,7 @@ from vllm_cluster.cluster.layout import InstancePlan
 from vllm_cluster.cluster.process_host import ProcessHost, ProcessSpec, RankSlot, Started
 from vllm_cluster.cluster.procs import ProcessRef
 from vllm_cluster.cluster.state import ClusterState, ProcessRecord
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.kv_index.redis_server import free_port
 from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV, check_health, make_channel
 
@@ -73,11 +74,11 @@ class RayCluster:
 
     @property
     def prefill_addresses(self) -> list[str]:
-        return [r.address for r in self.records if r.role == "prefill"]
+        return [r.address for r in self.records if r.role == EngineRole.PREFILL]
 
     @property
     def decode_addresses(self) -> list[str]:
-        return [r.address for r in self.records if r.role == "decode"]
+        return [r.address for r in self.records if r.role == EngineRole.DECODE]
 
     @property
     def metrics_addresses(self) -> dict[str, str]:
@@ -141,7 +142,7 @@ class RayCluster:
             record.metrics_address = f"http://{host}:{started.info['metrics_port']}"
             self.records.append(record)
         for record in self.records:
-            if record.role in ("prefill", "decode"):
+            if record.role in (EngineRole.PREFILL, EngineRole.DECODE):
                 self._wait_healthy(record, lambda address: _grpc_healthy(address))
 
     def _start_instance(self, plan: InstancePlan, pg: PlacementGroup) -> Any:
@@ -167,7 +168,7 @@ class RayCluster:
     def _start_router(self) -> None:
         router = self.deployment.router
         argv = router_argv(self.deployment, self.prefill_addresses, self.decode_addresses, self.redis_url)
-        spec = self._spec("router", tuple(argv), config_text=self.deployment.process_yaml("decode"),
+        spec = self._spec("router", tuple(argv), config_text=self.deployment.process_yaml(EngineRole.DECODE),
                           env={API_KEY_ENV: self.api_key})
         started = self._run_on_this_node("router", spec, num_cpus=self.deployment.cluster.router_num_cpus)
         host = started.node_ip if router.host in ANY_HOST else router.host

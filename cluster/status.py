@@ -18,12 +18,13 @@ import grpc
 
 from vllm_cluster.cluster.config_file import load_deployment
 from vllm_cluster.cluster.state import ClusterState, ProcessRecord, state_path
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.worker.rpc import check_health, make_channel
 
-_STUBS: dict[str, Any] = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWorkerStub}
+_STUBS: dict[str, Any] = {EngineRole.PREFILL: pb_grpc.PrefillWorkerStub, EngineRole.DECODE: pb_grpc.DecodeWorkerStub}
 
 
 @dataclass(frozen=True, slots=True)

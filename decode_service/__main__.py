@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from vllm_cluster.decode_service.servicer import DecodeServicer
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.kv_transfer import KVLayout, make_receiver
 from vllm_cluster.metrics import InstanceMetrics
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     parser.add_argument("--lease-s", type=float, default=30.0, help="default reservation lease")
     args = parser.parse_args(argv)
-    core, tokenizer = build_engine(args, role="decode")
+    core, tokenizer = build_engine(args, role=EngineRole.DECODE)
     kv_caches = core.transfer_caches
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
     receiver = make_receiver(args.transport, kv_caches, layout, args.kv_host, args.kv_port, cluster_token())

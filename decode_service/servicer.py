@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop, RequestStream
 from vllm_cluster.engine.errors import InvalidRequestError
 from vllm_cluster.engine.scheduler import SampledToken
@@ -158,7 +159,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         stats = self._loop.stats()
         return worker_stats_to_proto(
-            stats, "decode", self._layout.block_size, self._layout.model, self._receiver.endpoint
+            stats, EngineRole.DECODE, self._layout.block_size, self._layout.model, self._receiver.endpoint
         )
 
     def LoadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:

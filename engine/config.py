@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,11 +17,33 @@ from vllm_cluster.engine.quantization import METHOD_NAMES
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
-_ROLES = ("colocated", "prefill", "decode")
 _EXECUTOR_BACKENDS = ("mp", "ray")
 # "auto": the model's dtype; "fp8" and "fp8_e4m3" (the same): float8_e4m3fn with a scale per
 # layer for K and for V (kernels/fp8_kv.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+class EngineRole(str, enum.Enum):
+    """What an engine instance serves. A str, so YAML, CLI flags and the wire carry the value."""
+
+    COLOCATED = "colocated"  # requests in, tokens out
+    PREFILL = "prefill"  # computes the prompt and its first token, pushes the KV to a decode
+    DECODE = "decode"  # reserves blocks for a prompt's KV, then decodes from the first token
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str) -> EngineRole:
+        """The role named `value`; a ConfigError naming the valid ones otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"role: {value!r} is not one of {tuple(r.value for r in cls)}") from None
+
+
+# The resolved per-process YAML (cluster/config.py) carries the role as its plain string.
+yaml.SafeDumper.add_representer(EngineRole, lambda dumper, role: dumper.represent_str(role.value))
 
 
 @dataclass(slots=True)
@@ -159,7 +182,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = "auto"
-    role: str = "colocated"
+    role: EngineRole = EngineRole.COLOCATED
     # torch intra-op threads; several engine processes share a machine's cores.
     num_threads: int | None = None
     # On GPU, decode steps replay CUDA graphs captured for batch sizes up to max_num_seqs;
@@ -169,6 +192,10 @@ class EngineConfig:
     # (engine/async_stepper.py). None: on for CUDA on one process outside the prefill role,
     # off on CPU (where nothing runs ahead of the host, so it cannot pay).
     async_scheduling: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, EngineRole):
+            self.role = EngineRole.parse(self.role)
 
     def validate(self) -> None:
         self.model.validate()
@@ -182,18 +209,16 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: {self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        if self.role not in _ROLES:
-            raise ConfigError(f"role: {self.role!r} is not one of {_ROLES}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: {self.num_threads} must be >= 1")
-        if self.async_scheduling and (self.role == "prefill" or self.parallel.world_size > 1):
+        if self.async_scheduling and (self.role == EngineRole.PREFILL or self.parallel.world_size > 1):
             raise ConfigError(
                 "async_scheduling runs on one process outside the prefill role: unset it, or use "
                 "role colocated/decode with tensor_parallel_size and pipeline_parallel_size 1"
             )
-        if self.parallel.pipeline_parallel_size > 1 and self.role != "colocated":
+        if self.parallel.pipeline_parallel_size > 1 and self.role != EngineRole.COLOCATED:
             raise ConfigError(
-                f"role {self.role!r} splits by tensor parallelism only: set pipeline_parallel_size "
+                f"role {self.role.value!r} splits by tensor parallelism only: set pipeline_parallel_size "
                 "to 1 (tensor_parallel_size may be > 1; only the colocated role runs pipeline stages)"
             )
         if self.parallel.world_size > 1 and self.model.quantization is not None:

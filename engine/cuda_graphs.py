@@ -20,7 +20,7 @@ import torch
 
 from vllm_cluster.engine.device_tokens import PlaceholderFill
 from vllm_cluster.engine.models import CausalLM
-from vllm_cluster.kernels.dispatch import AttentionMetadata
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata
 
 _NUM_ROWS = 6
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from vllm_cluster.engine.detokenizer import IncrementalDetokenizer
-from vllm_cluster.engine.engine_core import EngineCore, EngineStats, KVPush
+from vllm_cluster.engine.engine_core import EngineCore, EngineStats
 from vllm_cluster.engine.errors import EngineDeadError
+from vllm_cluster.engine.kv_push import KVPush
 from vllm_cluster.engine.request import Request, TokenLogprobs
 from vllm_cluster.engine.scheduler import RequestUpdate, SampledToken
 

@@ -50,7 +50,7 @@ class LLM:
             raise ValueError("derive() keeps the model: change only cache, scheduler, parallel or thread options")
         if self.core.config.lora.enable_lora or config.lora.enable_lora:
             raise ValueError("derive() shares the model, which LoRA wraps: build a new LLM(..., enable_lora=True)")
-        if self.core.executor is not None:
+        if self.core.config.parallel.world_size > 1:
             raise ValueError("derive() needs the whole model: call it on a single-process LLM, not a parallel one")
         llm = object.__new__(LLM)
         llm.core = EngineCore(config, model=self.core.model)

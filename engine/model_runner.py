@@ -15,8 +15,7 @@ from vllm_cluster.engine.device_tokens import DeviceTokens, PlaceholderFill
 from vllm_cluster.engine.models import CausalLM
 from vllm_cluster.engine.request import RequestId
 from vllm_cluster.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
-from vllm_cluster.kernels.dispatch import AttentionMetadata
-from vllm_cluster.kernels.torch_ops import make_plan
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
 
 
 def kv_cache_block_bytes(model: CausalLM, block_size: int, kv_cache_dtype: torch.dtype) -> int:

@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.errors import ConfigError
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -19,7 +19,7 @@ def use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     if config.async_scheduling is not None:
         return config.async_scheduling
     # On CPU every op runs when called: nothing to overlap with.
-    return device.type == "cuda" and config.role != "prefill" and config.parallel.world_size == 1
+    return device.type == "cuda" and config.role != EngineRole.PREFILL and config.parallel.world_size == 1
 
 
 def resolve_device(name: str) -> torch.device:

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.metrics import buckets
 from vllm_cluster.metrics.router import FINISH_REASONS
@@ -38,7 +39,7 @@ class InstanceMetrics:
         self._values = (loop.core.config.model.model, self.role, instance_id)
         self.registry.register(_EngineCollector(loop, self._values))
         self._server: WSGIServer | None = None
-        if self.role == "prefill":
+        if self.role is EngineRole.PREFILL:
             self._push_bytes = Counter("vllm_cluster:kv_push_bytes", "KV cache bytes pushed to decode instances.",
                                        _LABELS, registry=self.registry).labels(*self._values)
             self._push_time = Histogram("vllm_cluster:kv_push_seconds",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.kv_transfer import KVLayout, make_sender
 from vllm_cluster.metrics import InstanceMetrics
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefill_service", description=__doc__.splitlines()[0])
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    core, _ = build_engine(args, role="prefill")
+    core, _ = build_engine(args, role=EngineRole.PREFILL)
     kv_caches = core.transfer_caches
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
     sender = make_sender(args.transport, kv_caches, layout, args.name, cluster_token())

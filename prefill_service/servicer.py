@@ -18,6 +18,7 @@ import time
 import grpc
 import torch
 
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.engine.errors import InvalidRequestError
 from vllm_cluster.kv_transfer import KVLayout, KVSender, TransferStatus
@@ -106,7 +107,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         if problem is not None:  # the router polls this: it stops sending here
             abort(context, grpc.StatusCode.UNAVAILABLE, problem)
         stats = self._loop.stats()
-        return worker_stats_to_proto(stats, "prefill", self._layout.block_size, self._layout.model, "")
+        return worker_stats_to_proto(stats, EngineRole.PREFILL, self._layout.block_size, self._layout.model, "")
 
     def LoadLoRAAdapter(self, msg: pb.LoRAAdapterRequest, context: grpc.ServicerContext) -> pb.LoRAAdapterResponse:
         return load_lora_adapter(self._loop, msg, context)

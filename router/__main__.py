@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.loader import resolve
 from vllm_cluster.engine.models.config import ModelArchConfig
 from vllm_cluster.engine.resolve import max_model_len
@@ -94,7 +94,7 @@ def _start_http(
         return generate_latest(servicer.metrics.registry), CONTENT_TYPE_LATEST
 
     def is_healthy() -> bool:
-        return not draining.is_set() and any(i.healthy for i in registry.of_role("decode"))
+        return not draining.is_set() and any(i.healthy for i in registry.of_role(EngineRole.DECODE))
 
     app = build_app(serving, api_key, config.max_request_bytes, is_healthy, metrics)
     port = config.http_port if args.http_port is None else args.http_port

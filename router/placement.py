@@ -18,6 +18,7 @@ from functools import partial
 import grpc
 
 from vllm_cluster.engine.block_hash import hash_block_tokens
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.admission import AdmissionQueue
@@ -53,7 +54,7 @@ class Placement:
         hashes = hash_block_tokens(list(request.prompt_token_ids), self._block_size, tuple(request.extra_keys))
         return self._prefix_index.overlap([bytes(h) for h in hashes]) if hashes else {}
 
-    def rank(self, role: str, request: pb.WorkerRequest, overlap: dict[str, int]) -> list[str]:
+    def rank(self, role: EngineRole, request: pb.WorkerRequest, overlap: dict[str, int]) -> list[str]:
         """The healthy instances of `role`, best first."""
         num_blocks = len(request.prompt_token_ids) // self._block_size
         loads = self._registry.loads(role, overlap, request.lora_name or None)
@@ -109,7 +110,7 @@ class Placement:
         why each failed: full (RESOURCE_EXHAUSTED) or down (UNAVAILABLE)."""
         full: list[str] = []
         down: list[str] = []
-        for name in self.rank("decode", request, overlap):
+        for name in self.rank(EngineRole.DECODE, request, overlap):
             instance = self._registry.acquire(name)
             try:
                 reservation = instance.stub.Reserve(

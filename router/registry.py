@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.policy import InstanceLoad
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Instance:
     name: str
-    role: str  # "prefill" | "decode"
+    role: EngineRole  # PREFILL | DECODE
     address: str
     channel: grpc.Channel
     stub: Any  # PrefillWorkerStub | DecodeWorkerStub
@@ -57,8 +58,8 @@ class Registry:
         self._lock = threading.Lock()
         self.instances: dict[str, Instance] = {}
         for role, addresses, stub_type in (
-            ("prefill", prefill, pb_grpc.PrefillWorkerStub),
-            ("decode", decode, pb_grpc.DecodeWorkerStub),
+            (EngineRole.PREFILL, prefill, pb_grpc.PrefillWorkerStub),
+            (EngineRole.DECODE, decode, pb_grpc.DecodeWorkerStub),
         ):
             for i, address in enumerate(addresses):
                 channel = make_channel(address, token)
@@ -70,11 +71,11 @@ class Registry:
         self._thread = threading.Thread(target=self._poll_forever, name="registry-poll", daemon=True)
         self._thread.start()
 
-    def of_role(self, role: str) -> list[Instance]:
+    def of_role(self, role: EngineRole) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
     def loads(
-        self, role: str, overlap: dict[str, int] | None = None, lora_name: str | None = None
+        self, role: EngineRole, overlap: dict[str, int] | None = None, lora_name: str | None = None
     ) -> list[InstanceLoad]:
         """`overlap`: prefix-index id -> leading blocks of the prompt it holds."""
         overlap = overlap or {}

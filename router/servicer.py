@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.errors import InvalidRequestError, ModelLoadError
 from vllm_cluster.engine.lora import lora_extra_key
 from vllm_cluster.engine.tokenizer import apply_chat_template
@@ -235,7 +236,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         if should_skip_prefill(num_prompt, reservation.num_cached_tokens, self._config.min_prefill_tokens):
             timings.prefill_skipped = True
             return None
-        names = self._placement.rank("prefill", request, overlap)
+        names = self._placement.rank(EngineRole.PREFILL, request, overlap)
         if not names:
             return self._prefill_failed(handoff, timings, context, "no healthy prefill instance")
         instance = self._registry.acquire(names[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_core import EngineCore, EngineStats
 from vllm_cluster.engine.engine_loop import StreamDelta
 from vllm_cluster.engine.request import Request, TokenLogprobs
@@ -117,10 +118,10 @@ def request_from_proto(core: EngineCore, msg: pb.WorkerRequest) -> Request:
 
 
 def worker_stats_to_proto(
-    stats: EngineStats, role: str, block_size: int, model: str, kv_endpoint: str
+    stats: EngineStats, role: EngineRole, block_size: int, model: str, kv_endpoint: str
 ) -> pb.WorkerStats:
     return pb.WorkerStats(
-        role=role,
+        role=role.value,
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
         num_transferring=stats.num_transferring,

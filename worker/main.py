@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.engine_core import EngineCore
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.engine.tokenizer import load_tokenizer
@@ -47,7 +47,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="written (JSON: port, metrics_port, kv_endpoint, pid) once the server is up")
 
 
-def build_engine(args: argparse.Namespace, role: str) -> tuple[EngineCore, Any]:
+def build_engine(args: argparse.Namespace, role: EngineRole) -> tuple[EngineCore, Any]:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
     faults.configure(args.kv_faults)
     config = EngineConfig.from_yaml(args.config).with_overrides(role=role)
@@ -65,7 +65,7 @@ def cluster_token() -> str:
     return os.environ.get(TOKEN_ENV, "")
 
 
-def instance_id(role: str, address: str) -> str:
+def instance_id(role: EngineRole, address: str) -> str:
     """How an instance is known in the prefix index: the router knows it by this address."""
     return f"{role}@{address}"
 

@@ -13,7 +13,9 @@ from torch import nn
 from vllm_cluster.engine.layers.linear import Linear
 from vllm_cluster.engine.layers.norm import RMSNorm
 from vllm_cluster.engine.layers.rotary import Rope
-from vllm_cluster.kernels.dispatch import AttentionMetadata, Normed, rotary_paged_attention
+from vllm_cluster.kernels.attention.dispatch import rotary_paged_attention
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata
+from vllm_cluster.kernels.linear.add_norm import Normed
 
 
 class Attention(nn.Module):

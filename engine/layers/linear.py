@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_cluster.kernels.dispatch import AddNorm, Normed, linear, linear_add_norm, linear_silu_mul
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.linear.dispatch import linear, linear_add_norm, linear_silu_mul
 
 
 class Linear(nn.Linear):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_cluster.kernels.dispatch import AddNorm, Normed, fused_add_rms_norm
+from vllm_cluster.kernels.elementwise.dispatch import fused_add_rms_norm
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from vllm_cluster.kernels.dispatch import rotary_embedding
+from vllm_cluster.kernels.elementwise.dispatch import rotary_embedding
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

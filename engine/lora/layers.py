@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vllm_cluster.engine.models import CausalLM
-from vllm_cluster.kernels.lora import SlotGroups, lora_expand_add, lora_shrink
+from vllm_cluster.kernels.lora.dispatch import SlotGroups, lora_expand_add, lora_shrink
 
 # Our fused module -> the HF modules it holds, in output order.
 FUSED_PARTS: dict[str, tuple[str, ...]] = {

@@ -20,7 +20,7 @@ from vllm_cluster.engine.lora.layers import LoRAContext, LoRALinear, apply_lora
 from vllm_cluster.engine.models import CausalLM
 from vllm_cluster.engine.request import RequestId
 from vllm_cluster.engine.scheduler_output import ScheduledRequest
-from vllm_cluster.kernels.lora import SlotGroups
+from vllm_cluster.kernels.lora.dispatch import SlotGroups
 
 
 class LoRAManager:

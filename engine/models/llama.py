@@ -21,7 +21,9 @@ from vllm_cluster.engine.models import mixtral
 from vllm_cluster.engine.models.config import ModelArchConfig
 from vllm_cluster.engine.models.kv_scales import kv_scale_targets, per_layer_scale
 from vllm_cluster.engine.quantization.base import is_quantized
-from vllm_cluster.kernels.dispatch import AddNorm, AttentionMetadata, Normed, silu_and_mul
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata
+from vllm_cluster.kernels.elementwise.dispatch import silu_and_mul
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
 
 
 class MLP(nn.Module):

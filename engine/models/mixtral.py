@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vllm_cluster.kernels.dispatch import silu_and_mul
+from vllm_cluster.kernels.elementwise.dispatch import silu_and_mul
 
 # (expert, part): part 0/1 is w1 (gate) / w3 (up) inside w13_weight; w2_weight has part 0.
 ExpertShard = tuple[int, int]

@@ -23,7 +23,7 @@ enable_expert_parallel=..., distributed_executor_backend="mp" | "ray")`):
   stage_runner.py  one rank's part of a step, micro-batch by micro-batch: receive hidden
                    states, run its layers on its KV cache shard, send them on, or (last
                    stage) compute the logits.
-  executor.py      the driver's side, EngineCore's runner when tp x pp > 1: starts the
+  executor.py      the driver's side, EngineCore's Executor when tp x pp > 1: starts the
                    workers, loads and broadcasts the weights, each step broadcasts the
                    SchedulerOutput and returns the logits; a dead worker raises
                    WorkerDiedError.
@@ -34,7 +34,7 @@ A step on the driver: scheduler.schedule() -> executor.execute(): STEP broadcast
 control group -> every rank's StageRunner runs its stage (first stage embeds, hidden
 states and residual go stage to stage, tp ranks all-reduce within a stage) -> the last
 stage's logits are gathered on rank 0 -> the sampler -> scheduler.update_from_output().
-With tp = pp = 1 none of this is imported into the step: EngineCore runs ModelRunner.
+With tp = pp = 1 none of this is imported into the step: EngineCore's LocalExecutor runs ModelRunner.
 """
 
 from vllm_cluster.engine.parallel.executor import ParallelExecutor

@@ -1,15 +1,17 @@
-"""Rank 0's side of a parallel engine: the EngineCore's model runner when tp x pp > 1.
+"""Rank 0's side of a parallel engine: the EngineCore's Executor (engine/executor.py) when
+tp x pp > 1.
 
 Lifecycle:
   1. `start`: check that the model splits this way (a ConfigError before any process
      starts), host a TCPStore on 127.0.0.1, start ranks 1..N-1 with the launcher, load
      the full model (or take the one given), wait for every rank's hello, build the
      groups, broadcast the weights, keep rank 0's shard (tensor rank 0 of the last stage).
-  2. `start_runner`: tell every rank the KV cache size, allocate rank 0's, barrier.
+  2. `init_kv_cache`: tell every rank the KV cache size, allocate rank 0's, barrier.
   3. `execute`, each step: broadcast the SchedulerOutput, run rank 0's part, return the
      logits of the sampling requests; the engine samples them here. Prefill and decode
      instances (tp > 1, one stage) also move KV between the ranks' head shards and rank
-     0's full-head transfer cache: `gather_kv` / `scatter_kv` (kv_mirror.py).
+     0's full-head transfer cache (kv_mirror.py): a prefill step's pushes read it after
+     the whole step and a gather; a decode's landed KV is scattered (`kv_landed`).
   4. `shutdown`: broadcast STOP, wait for the workers, kill stragglers. Also runs when the
      executor is collected or the interpreter exits.
 A worker that dies makes the step (or the start) raise WorkerDiedError naming its rank
@@ -32,8 +34,10 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.config import EngineConfig, EngineRole
+from vllm_cluster.engine.device_tokens import DeviceTokens
 from vllm_cluster.engine.errors import ConfigError, WorkerDiedError
+from vllm_cluster.engine.kv_push import StepPushes
 from vllm_cluster.engine.loader import ModelSource, load_model
 from vllm_cluster.engine.model_runner import ModelRunner
 from vllm_cluster.engine.models import CausalLM, ModelArchConfig
@@ -61,10 +65,15 @@ _T = TypeVar("_T")
 
 
 class ParallelExecutor:
-    def __init__(self, launcher: WorkerLauncher, topology: Topology, dtype: torch.dtype) -> None:
+    def __init__(
+        self, launcher: WorkerLauncher, topology: Topology, dtype: torch.dtype, transfer_mirror: bool = False
+    ) -> None:
+        """`transfer_mirror` (prefill/decode roles): rank 0 also keeps a full-head KV cache
+        for the KV transfer, `transfer_caches`."""
         self.launcher = launcher
         self.topology = topology
         self.dtype = dtype
+        self.transfer_mirror = transfer_mirror
         self.store: dist.TCPStore | None = None
         self.ctx: ParallelContext | None = None
         self.channel: ControlChannel | None = None
@@ -93,7 +102,8 @@ class ParallelExecutor:
         check_model(arch, tp, pp, ep)
         _check_devices(device, parallel.world_size)
         topology = Topology(tp, pp, arch.num_hidden_layers, ep)
-        executor = cls(launcher or make_launcher(parallel), topology, dtype)
+        transfer_mirror = config.role != EngineRole.COLOCATED
+        executor = cls(launcher or make_launcher(parallel), topology, dtype, transfer_mirror)
         try:
             executor._start(config, source, arch, device, model)
         except BaseException:
@@ -152,7 +162,7 @@ class ParallelExecutor:
                 )
             time.sleep(0.05)
 
-    def kv_cache_block_bytes(self, block_size: int, dtype: torch.dtype, transfer_mirror: bool = False) -> int:
+    def kv_cache_block_bytes(self, block_size: int, kv_cache_dtype: torch.dtype) -> int:
         """One KV block's bytes on the rank holding the most (the KV manager's block count
         must fit every rank), rank 0's full-head transfer cache included when there is one.
         On CPU all ranks share the host's memory: counted once each."""
@@ -161,42 +171,46 @@ class ParallelExecutor:
         arch = self.model.config
         num_layers = max(len(c.stage_layers(s)) for s in range(c.pipeline_parallel_size))
         num_kv_heads = len(kv_heads_of(0, c.tensor_parallel_size, arch.num_key_value_heads))
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=kv_cache_dtype).element_size()
         per_rank = num_layers * 2 * block_size * num_kv_heads * arch.head_dim * elem
-        mirror = num_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem if transfer_mirror else 0
+        full_heads = num_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
+        mirror = full_heads if self.transfer_mirror else 0
         return per_rank * (c.world_size if self.ctx.device.type == "cpu" else 1) + mirror
 
-    def start_runner(
-        self,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        kv_cache_dtype: torch.dtype,
-        transfer_mirror: bool = False,
-    ) -> ModelRunner:
-        """Every rank allocates its KV cache (of `kv_cache_dtype`); returns rank 0's runner (its
-        cache and tables). `transfer_mirror` (prefill/decode roles): rank 0 also keeps a
-        full-head cache for the KV transfer, `transfer_caches`."""
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int, kv_cache_dtype: torch.dtype) -> None:
+        """Every rank allocates its KV cache (of `kv_cache_dtype`); rank 0 also its full-head
+        transfer cache, with `transfer_mirror`."""
         assert self.ctx is not None and self.channel is not None and self.model is not None
         ctx, channel, model = self.ctx, self.channel, self.model
         init = KVCacheInit(num_blocks, block_size, max_model_len, str(kv_cache_dtype).removeprefix("torch."))
         self._guard(lambda: channel.send(Kind.INIT, encode_init(init)))
         self.stage = StageRunner(model, ctx, num_blocks, block_size, max_model_len, self.dtype, kv_cache_dtype)
-        if transfer_mirror:
+        if self.transfer_mirror:
             assert self.topology.pipeline_parallel_size == 1 and ctx.tp is not None, "config.validate refuses pp > 1 roles"
             arch = model.config
             shape = (num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
             full = [torch.zeros(shape, dtype=kv_cache_dtype, device=ctx.device) for _ in self.stage.kv_caches]
             self.stage.mirror = KVMirror(self.stage.kv_caches, ctx.tp, arch.num_key_value_heads, full)
         self._guard(ctx.control.barrier)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner: its KV cache (its stage's layers, its heads) and block tables."""
+        assert self.stage is not None, "init_kv_cache() first"
         return self.stage.inner
 
     @property
     def transfer_caches(self) -> list[torch.Tensor]:
-        """The full-head caches the KV sender reads / the receiver writes (start_runner with
-        transfer_mirror)."""
-        assert self.stage is not None and self.stage.mirror is not None and self.stage.mirror.mirror is not None
+        """The full-head caches the KV sender reads / the receiver writes (with transfer_mirror)."""
+        assert self.stage is not None, "init_kv_cache() first"
+        if self.stage.mirror is None or self.stage.mirror.mirror is None:
+            return self.stage.kv_caches
         return self.stage.mirror.mirror
+
+    def kv_landed(self, block_ids: list[int]) -> None:
+        """Decode: the transfer wrote these blocks into the full-head cache; every rank takes its heads."""
+        if self.transfer_mirror:
+            self.scatter_kv(block_ids)
 
     def gather_kv(self, block_ids: list[int]) -> None:
         """Prefill: every rank's heads of `block_ids` into `transfer_caches`."""
@@ -221,9 +235,11 @@ class ParallelExecutor:
         self._guard(run)
 
     def execute(
-        self, output: SchedulerOutput, after_layer: Callable[[int], None] | None = None
+        self, output: SchedulerOutput, pushes: StepPushes | None = None, prev_tokens: DeviceTokens | None = None
     ) -> tuple[list[RequestId], torch.Tensor]:
-        assert after_layer is None, "per-layer KV pushes (prefill role) run on one process only"
+        """`pushes` run after the whole step, from the full-head cache once every rank's heads
+        are gathered into it."""
+        assert prev_tokens is None, "async scheduling runs on one process only"
         assert self.channel is not None and self.stage is not None, "start_runner() first"
         if self.failure is not None:
             raise self.failure
@@ -235,6 +251,10 @@ class ParallelExecutor:
 
         logits = self._guard(step)
         assert logits is not None
+        if pushes is not None:
+            self.gather_kv(pushes.block_ids)
+            for layer in range(len(self.transfer_caches)):
+                pushes.push_layer(layer)
         return [item.request_id for item in output.scheduled if item.samples], logits
 
     def shutdown(self) -> None:

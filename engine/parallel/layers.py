@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from vllm_cluster.engine.parallel.groups import Group
-from vllm_cluster.kernels.dispatch import linear
+from vllm_cluster.kernels.linear.dispatch import linear
 
 
 class RowParallelLinear(nn.Module):

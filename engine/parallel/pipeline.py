@@ -19,7 +19,7 @@ from torch import nn
 from vllm_cluster.engine.models import CausalLM
 from vllm_cluster.engine.parallel.topology import Placement
 from vllm_cluster.engine.scheduler_output import ScheduledRequest
-from vllm_cluster.kernels.dispatch import AttentionMetadata
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata
 
 
 def apply_pp(model: CausalLM, place: Placement) -> None:

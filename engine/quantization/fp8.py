@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from vllm_cluster.engine.quantization.online import OnlineMethod
-from vllm_cluster.kernels.dispatch import AddNorm, Normed
-from vllm_cluster.kernels.quant_ops import (
-    FP8_MAX,
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.linear.dispatch import (
     fp8_linear,
     w8_linear_add_norm,
     w8_linear_normed,
     w8_linear_silu_mul,
 )
+from vllm_cluster.kernels.linear.reference import FP8_MAX
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """The linear layer of GPTQ and AWQ checkpoints: packed INT4 tensors, named and laid out
-as in the checkpoint (kernels/int4_reference.py), filled shard by shard by the loader.
+as in the checkpoint (kernels/int4/packing.py), filled shard by shard by the loader.
 
 Fused layers (qkv_proj, gate_up_proj) hold their parts side by side along the output
 dim: each part's qweight, qzeros, scales (and bias) fill a slice of columns, in packed
@@ -12,13 +12,13 @@ AWQ is loaded in its own layout, then repacked once into GPTQ's (packed along th
 dim, sequential zeros, zero offset 0: GPTQ v2), which dequantizes to the same weights:
 AWQ's packing along the output dim with an interleave costs its kernels a per-element
 shuffle, and was 1.4x slower than GPTQ's at batch 1 on the H200 (docs/benchmarks.md).
-Then, without act-order and where the shapes allow (kernels/int4_rows.py), GPTQ's qweight
+Then, without act-order and where the shapes allow (kernels/int4/layouts.py), GPTQ's qweight
 is repacked once more, into the tiles layout (the pairs layout's words in the order the
 batch-1 MMA GEMV's lanes read them, a warp's block 1 KB in one piece: 1 to 128 rows of x
-run on the tensor cores, kernels/triton_int4_mma.py), the pairs layout (each output's
+run on the tensor cores, kernels/int4/triton_mma.py), the pairs layout (each output's
 inputs contiguous, adjacent inputs in the two halves of a word) where groups smaller than
 128 inputs or parts of outputs not a multiple of 16 rule tiles out, or the rows layout
-where groups of 16 inputs rule pairs out (`int4_rows.DECODE_LAYOUT` picks another first);
+where groups of 16 inputs rule pairs out (`layouts.DECODE_LAYOUT` picks another first);
 zeros and scales keep GPTQ's layout. The repacks are exact, and loading ends with them: load_shard refuses
 tensors afterwards.
 """
@@ -31,12 +31,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from vllm_cluster.kernels import dispatch as kernels
 from vllm_cluster.engine.errors import ModelLoadError
 from vllm_cluster.engine.quantization.int4_pack import PACK, pack_cols, pack_rows
-from vllm_cluster.kernels import int4_rows
-from vllm_cluster.kernels.int4_reference import group_index, unpack_cols
-from vllm_cluster.kernels.int4_rows import (
+from vllm_cluster.kernels.elementwise.dispatch import silu_and_mul
+from vllm_cluster.kernels.int4 import layouts
+from vllm_cluster.kernels.int4.dispatch import int4_gemm, int4_gemm_add_norm, int4_gemm_normed
+from vllm_cluster.kernels.int4.layouts import (
     gptq_to_pairs,
     gptq_to_rows,
     pairs_layout_fits,
@@ -44,6 +44,9 @@ from vllm_cluster.kernels.int4_rows import (
     rows_layout_fits,
     tiles_layout_fits,
 )
+from vllm_cluster.kernels.int4.packing import group_index, unpack_cols
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,13 +223,13 @@ class Int4Linear(nn.Module):
     @torch.no_grad()
     def _repack_gptq_for_decode(self) -> None:
         """GPTQ qweight [K/8, N] -> tiles [N/16, K/128, 256], pairs or rows [N, K/8]
-        (kernels/int4_rows.py): the same 4-bit values; zeros, scales and zero offset
-        unchanged. int4_rows.DECODE_LAYOUT where it fits, else the next of tiles, pairs,
+        (kernels/int4/layouts.py): the same 4-bit values; zeros, scales and zero offset
+        unchanged. layouts.DECODE_LAYOUT where it fits, else the next of tiles, pairs,
         rows that fits."""
         if self.layout != "gptq" or self.act_order:
             return
         group_size = self.spec.group_size
-        wanted = int4_rows.DECODE_LAYOUT
+        wanted = layouts.DECODE_LAYOUT
         if wanted == "tiles" and tiles_layout_fits(self.in_features, self.output_sizes, group_size):
             self.qweight = pairs_to_tiles(gptq_to_pairs(self.qweight))
             self.layout = "tiles"
@@ -247,11 +250,11 @@ class Int4Linear(nn.Module):
         self.qzeros = pack_cols(unpack_cols(self.qzeros, "awq"), "gptq")
         self.layout = "gptq"
 
-    takes_normed = True  # a kernels.Normed x (engine/layers/linear.py)
+    takes_normed = True  # a Normed x (engine/layers/linear.py)
 
-    def forward(self, x: torch.Tensor | kernels.Normed) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        if isinstance(x, kernels.Normed):
+        if isinstance(x, Normed):
             y = self._product_normed(x)
             return y if self.bias is None else y + self.bias
         y = self._product(x.reshape(-1, self.in_features))
@@ -259,40 +262,37 @@ class Int4Linear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def forward_silu_mul(self, x: torch.Tensor | kernels.Normed) -> torch.Tensor:
+    def forward_silu_mul(self, x: torch.Tensor | Normed) -> torch.Tensor:
         """silu_and_mul(self(x)) for a [gate | up] layer: one launch for a decode row on the
-        pairs layout (kernels.int4_gemm's silu_mul), two elsewhere."""
+        pairs layout (int4_gemm's silu_mul), two elsewhere."""
         if self.bias is not None:
-            return kernels.silu_and_mul(self(x))
-        if isinstance(x, kernels.Normed):
+            return silu_and_mul(self(x))
+        if isinstance(x, Normed):
             return self._product_normed(x, silu_mul=True)
         y = self._product(x.reshape(-1, self.in_features), silu_mul=True)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def forward_add_norm(
-        self, x: torch.Tensor, add_norm: kernels.AddNorm
-    ) -> tuple[torch.Tensor | kernels.Normed, torch.Tensor]:
+        self, x: torch.Tensor, add_norm: AddNorm
+    ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
         """add_norm.after(self(x)) for o_proj and down_proj: (normed, h) of the norm after; at a
         decode row on the pairs and tiles layouts the MMA GEMV does its first half and the
-        normed half is a kernels.Normed (engine/layers/linear.py)."""
+        normed half is a Normed (engine/layers/linear.py)."""
         if self.bias is not None or x.dim() != 2:
             return add_norm.after(self(x))
-        return kernels.int4_gemm_add_norm(x, *self._weight_args(), add_norm)
+        return int4_gemm_add_norm(x, self.int4_weight(), add_norm)
 
-    def _product_normed(self, x: kernels.Normed, silu_mul: bool = False) -> torch.Tensor:
-        return kernels.int4_gemm_normed(x, *self._weight_args(), silu_mul)
+    def _product_normed(self, x: Normed, silu_mul: bool = False) -> torch.Tensor:
+        return int4_gemm_normed(x, self.int4_weight(), silu_mul)
 
     def _product(self, flat: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        return kernels.int4_gemm(flat, *self._weight_args(), silu_mul)
+        return int4_gemm(flat, self.int4_weight(), silu_mul)
 
-    def _weight_args(
-        self,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int, str, int]:
-        """The weight as kernels.int4_gemm takes it: qweight, qzeros, scales, g_idx (None
-        without act-order), group size, layout, zero offset."""
+    def int4_weight(self) -> Int4Weight:
+        """The weight as the INT4 kernels take it, in its current layout (g_idx only with act-order)."""
         s = self.spec
         g_idx = self.g_idx if self.act_order else None
-        return self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset
+        return Int4Weight(self.qweight, self.qzeros, self.scales, g_idx, s.group_size, self.layout, s.zero_offset)
 
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:

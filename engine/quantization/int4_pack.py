@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_cluster.kernels.int4_reference import AWQ_ORDER, group_index
+from vllm_cluster.kernels.int4.packing import AWQ_ORDER, group_index
 
 PACK = 8  # 4-bit values per int32
 MAX_Q = 15
