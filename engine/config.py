@@ -19,7 +19,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 _EXECUTOR_BACKENDS = ("mp", "ray")
 # "auto": the model's dtype; "fp8" and "fp8_e4m3" (the same): float8_e4m3fn with a scale per
-# layer for K and for V (kernels/fp8_kv.py).
+# layer for K and for V (kernels/attention/fp8_kv.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 

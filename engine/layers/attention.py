@@ -1,6 +1,6 @@
 """The attention layer: project, rotate, write K/V into the paged cache, attend.
 
-k_scale / v_scale: what an fp8 KV cache divides K and V by (kernels/fp8_kv.py), one fp32
+k_scale / v_scale: what an fp8 KV cache divides K and V by (kernels/attention/fp8_kv.py), one fp32
 value each per layer, from the checkpoint (engine/models/kv_scales.py) or 1.0. Buffers of
 shape [1] on the model's device, so CUDA graphs read them by address; a cache of the
 model's dtype ignores them."""

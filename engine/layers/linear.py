@@ -6,7 +6,7 @@ batch 1 (the fp8 and int8 layers have it too; the MLP falls back to two calls wi
 `forward_add_norm` is the layer followed by the residual add and RMS norm (o_proj,
 down_proj): at batch 1 its GEMV does the first half of the norm and returns a
 `kernels.Normed`, which `forward` and `forward_silu_mul` of the layer after (qkv_proj,
-gate_up_proj) take as x and whose GEMV finishes it (kernels/triton_add_norm.py). The fp8,
+gate_up_proj) take as x and whose GEMV finishes it (kernels/linear/triton_add_norm.py). The fp8,
 int8 and INT4 layers have the same methods and `takes_normed`; engine/layers/norm.py falls
 back to the norm's own launch for layers without them (LoRA, tensor-parallel)."""
 

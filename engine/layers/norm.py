@@ -36,7 +36,7 @@ def add_norm(
     (a zeroed [1] fp64 tensor), a module with `forward_add_norm` (the dense, fp8, int8 and
     INT4 linears; the MLP through its down_proj) has its batch-1 GEMV do the first half of the
     norm, and the normed half is a `kernels.Normed` for the GEMV after to finish
-    (kernels/triton_add_norm.py)."""
+    (kernels/linear/triton_add_norm.py)."""
     return project_add_norm(proj, x, AddNorm(residual, norm.weight, norm.eps, slot))
 
 

@@ -1,6 +1,6 @@
 """AWQ checkpoints (AutoAWQ, GEMM version): INT4 weights packed along the output dim in
 AWQ's interleaved nibble order, one scale and zero per (group of consecutive inputs,
-output). Read from config.json's `quantization_config`; kernels/int4_reference.py
+output). Read from config.json's `quantization_config`; kernels/int4/packing.py
 describes the layout.
 """
 

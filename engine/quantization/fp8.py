@@ -1,8 +1,8 @@
 """FP8 (online): weights become float8_e4m3fn with one fp32 scale per output channel
-(scale = amax(|w_row|) / 448). Up to kernels/quant_ops.FP8_WEIGHT_ONLY_MAX_ROWS rows
+(scale = amax(|w_row|) / 448). Up to kernels/linear/dispatch.FP8_WEIGHT_ONLY_MAX_ROWS rows
 (decode) the product is weight-only (w8a16: a Triton GEMV / tile kernel widens the fp8
 weight in registers); above, W8A8: activations are quantized per token at run time
-(kernels/quant_ops.per_token_quant_fp8) and the product runs on fp8 tensor cores through
+(kernels/linear/dispatch.per_token_quant_fp8) and the product runs on fp8 tensor cores through
 `torch._scaled_mm`. On CPU both are emulated in fp32 from the same fp8 values.
 """
 
@@ -63,7 +63,7 @@ class Fp8Linear(nn.Module):
             assert bias is not None
             self.bias.data.copy_(bias)
 
-    takes_normed = True  # a kernels.Normed x (engine/layers/linear.py)
+    takes_normed = True  # a kernels.linear.add_norm.Normed x (engine/layers/linear.py)
 
     def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
         # x: [T, K] -> [T, N]

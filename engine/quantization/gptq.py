@@ -1,7 +1,7 @@
 """GPTQ checkpoints (AutoGPTQ / GPTQModel): INT4 weights packed along the input dim, one
 scale and zero per (group, output), g_idx mapping each input to its group (act-order,
 desc_act, makes it a permutation rather than consecutive runs). Read from config.json's
-`quantization_config`; kernels/int4_reference.py describes the layout. `lm_head: true`
+`quantization_config`; kernels/int4/packing.py describes the layout. `lm_head: true`
 (GPTQModel, AutoRound) means lm_head is packed the same way (lm_head.qweight, ...), as vLLM
 reads it; models that tie lm_head to the embedding are refused then (quantize_model).
 """

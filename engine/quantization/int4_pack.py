@@ -1,5 +1,5 @@
 """Round-to-nearest INT4 quantization and packing into the GPTQ and AWQ checkpoint layouts
-(kernels/int4_reference.py describes both). Tests build small checkpoints with these, and
+(kernels/int4/packing.py describes both). Tests build small checkpoints with these, and
 `load_format: dummy` fills quantized layers with random valid values; GPTQ's Hessian-based
 rounding is not needed for either.
 """

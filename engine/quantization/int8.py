@@ -1,7 +1,7 @@
 """INT8 weight-only quantization (online): each linear's weight becomes int8 with one
 fp32 scale per output channel, symmetric: scale = amax(|w_row|) / 127,
 q = clamp(round(w / scale), -127, 127). Activations stay in the model's dtype; the
-matmul dequantizes on the fly (kernels/quant_ops.int8_linear: Triton on CUDA).
+matmul dequantizes on the fly (kernels/linear/dispatch.int8_linear: Triton on CUDA).
 """
 
 from __future__ import annotations

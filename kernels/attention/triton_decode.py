@@ -1,28 +1,29 @@
 """Paged decode attention in Triton: flash-decoding over the paged KV cache, GQA-grouped.
 
-Semantics are those of `kernels.reference.decode_attention`. Two launches:
-  1. `decode_split_kernel` (kernels/attention/triton_decode_kernel.py), grid (B, num_kv_heads, num_splits): one program serves all the
-     query heads of one KV head (each K/V tile is read once for the group) over one split, a
-     contiguous range of the sequence's tokens, in tiles of TILE_N tokens that may span KV
-     blocks (each token finds its block through the block table). It keeps an fp32 online
+Semantics are those of `kernels.attention.reference.decode_attention`. Two launches:
+  1. `decode_split_kernel` (kernels/attention/triton_decode_kernel.py), grid (B, num_kv_heads,
+     num_splits): one program serves all the query heads of one KV head (each K/V tile is read
+     once for the group) over one split, a contiguous range of the sequence's tokens, in
+     tiles of TILE_N tokens that may span KV blocks (each token finds its block through the
+     block table). It keeps an fp32 online
      softmax and writes a partial (max, sum, acc) per query head, or, when there is one
      split, the normalised output directly (and launch 2 is skipped).
-  2. `combine_splits_kernel` (kernels/triton_decode_combine.py), grid (B, Hq): rescales the
+  2. `combine_splits_kernel` (kernels/attention/triton_decode_combine.py), grid (B, Hq): rescales the
      partials to a common max and sums.
-On Hopper both start early and wait for the kernel before (PDL, kernels/pdl.py).
+On Hopper both start early and wait for the kernel before (PDL, kernels/sync/pdl.py).
 
 `rotary_decode_attention` (what the engine runs for a decode-only batch on CUDA) folds the
 rotary + KV write launch of the new token into launch 1: every split rotates q and the new
 k in registers, attends over the cached tokens (the new token's slot excluded) and then
 over the new token itself, and the first split of each KV head stores the new k and v in
-the cache (the rotary helpers live in kernels/triton_rotary_kv.py). One launch fewer per
+the cache (the rotary helpers live in kernels/attention/triton_rotary_kv.py). One launch fewer per
 layer: -56 us a batch-1 step for bf16, -69 for int8 on the H200 (docs/benchmarks.md). Its
 splits also load their first tile of cached K/V before the PDL wait (EARLY_FIRST_TILE).
 
 Launch shapes depend only on tensor shapes and `max_seq_len` (never on the values in
 `seq_lens`), and nothing syncs with the host, so the call can be captured in a CUDA graph.
 A split whose range is empty (a short sequence, a padding row) writes (-inf, 0, 0); a
-sequence of length 0 gets zeros. An fp8 cache (kernels/fp8_kv.py) is upcast to q's dtype
+sequence of length 0 gets zeros. An fp8 cache (kernels/attention/fp8_kv.py) is upcast to q's dtype
 (exact) as it is loaded; k_scale is folded into the softmax scale and v_scale into the
 partial sums, both read from device memory (a CUDA graph replays them).
 """
@@ -48,7 +49,7 @@ _PROGRAMS_PER_SM = 4  # resident programs per SM to hide HBM latency
 # length and block table entries) before waiting for the qkv projection (PDL), so those
 # loads overlap the projection's tail. Safe there (and only there): the cached tokens, the
 # lengths and the block tables are written by ordinary launches that finish before the
-# PDL chain's first kernel starts (kernels/pdl.py), and the one slot this step writes (the
+# PDL chain's first kernel starts (kernels/sync/pdl.py), and the one slot this step writes (the
 # new token's) is not among the tokens read. bf16 -77 us a batch-1 step, fp8 -60 on the
 # H200 (docs/benchmarks.md).
 EARLY_FIRST_TILE = True
@@ -135,7 +136,7 @@ def rotary_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`kernels.rotary_write_kv_cache` of the new tokens, then `decode_attention`, with no
+    """`rotary_write_kv_cache` (kernels/attention/dispatch.py) of the new tokens, then `decode_attention`, with no
     launch between them: q [B, Hq, D], k and v [B, Hkv, D] (not rotated; views of the qkv
     projection do), cos / sin [B, D / 2] fp32, slot_mapping [B]: the slot of each sequence's
     new token, which is its position seq_lens[b] - 1 (-1 with seq_lens[b] = 0: a padding

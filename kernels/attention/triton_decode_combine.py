@@ -1,4 +1,4 @@
-"""Combining the splits of the split-K decode attention (kernels/triton_decode_attention.py).
+"""Combining the splits of the split-K decode attention (kernels/attention/triton_decode.py).
 
 Each split of a (sequence, KV head) leaves a partial per query head: the running max of its
 scores (log2 domain), the sum of their exponentials and the unnormalised weighted V rows.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels import pdl
+from vllm_cluster.kernels.sync import pdl
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Triton flash attention for prefill and chunked prefill over the paged KV cache.
 
-Same contract as `kernels.reference.prefill_attention`: sequence b owns the query rows
+Same contract as `kernels.attention.reference.prefill_attention`: sequence b owns the query rows
 query_start_loc[b]:query_start_loc[b+1], the last q_len tokens of a context of seq_lens[b]
 tokens whose K/V (cached prefix and new tokens alike) are already in the cache.
 
@@ -10,23 +10,20 @@ group (on an H200 this is about a third faster than one program per q head at Hq
 The program walks the context in tiles of BLOCK_N tokens, mapping each token to its cache
 block through the block table, with an online softmax in fp32: first the tiles every row of
 the query tile may see (no mask), then the tiles across the causal diagonal (masked), and
-nothing past it. An fp8 cache (kernels/fp8_kv.py) is upcast to q's dtype (exact) as each tile
+nothing past it. An fp8 cache (kernels/attention/fp8_kv.py) is upcast to q's dtype (exact) as each tile
 is loaded; k_scale is folded into the softmax scale and v_scale into the output, both read
 from device memory.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels.fp8_kv import is_fp8
+from vllm_cluster.kernels.attention.fp8_kv import is_fp8
 
 _LOG2_E = 1.4426950408889634
 
@@ -250,69 +247,3 @@ def prefill_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
-
-
-_BENCH_CONFIGS = (
-    PrefillTileConfig(128, 32, num_warps=4, num_stages=3),
-    PrefillTileConfig(128, 64, num_warps=4, num_stages=3),
-    PrefillTileConfig(128, 64, num_warps=8, num_stages=2),
-    PrefillTileConfig(64, 32, num_warps=4, num_stages=2),
-    PrefillTileConfig(256, 32, num_warps=8, num_stages=2),
-)
-
-
-def _bench(seq_len: int = 2048, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
-           block_size: int = 16) -> None:
-    """A fresh seq_len-token prompt: this kernel (default tiles, then a sweep) against SDPA."""
-    from triton.testing import do_bench
-
-    device, dtype = "cuda", torch.bfloat16
-    num_blocks = triton.cdiv(seq_len, block_size)
-    torch.manual_seed(0)
-    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, device=device,
-                           dtype=dtype)
-    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int32)[None, :]
-    q = torch.randn(seq_len, num_heads, head_dim, device=device, dtype=dtype)
-    query_start_loc = torch.tensor([0, seq_len], device=device, dtype=torch.int32)
-    seq_lens = torch.tensor([seq_len], device=device, dtype=torch.int32)
-    scale = 1.0 / math.sqrt(head_dim)
-    out = torch.empty_like(q)
-
-    # SDPA on the same context, gathered into [1, H, L, D] outside the timed region.
-    blocks = kv_cache[block_tables[0].long()]  # [nb, 2, BS, Hkv, D]
-    k = blocks[:, 0].flatten(0, 1).transpose(0, 1)[None].contiguous()  # [1, Hkv, L, D]
-    v = blocks[:, 1].flatten(0, 1).transpose(0, 1)[None].contiguous()
-    q_sdpa = q.transpose(0, 1)[None].contiguous()  # [1, Hq, L, D]
-
-    def sdpa() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q_sdpa, k, v, is_causal=True, scale=scale, enable_gqa=True)
-
-    def run(config: PrefillTileConfig | None) -> torch.Tensor:
-        return prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                 seq_len, out=out, config=config)
-
-    max_err = (run(None).float() - sdpa()[0].transpose(0, 1).float()).abs().max().item()
-    flops = 2 * 2 * num_heads * head_dim * seq_len * seq_len / 2
-
-    def report(name: str, fn: Callable[[], torch.Tensor]) -> None:
-        ms = do_bench(fn)
-        print(f"{name:<36} {ms * 1e3:8.1f} us  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s")
-
-    def label(c: PrefillTileConfig) -> str:
-        return f"M{c.block_m} N{c.block_n} warps {c.num_warps} stages {c.num_stages}"
-
-    print(f"prompt {seq_len} tokens, Hq={num_heads} Hkv={num_kv_heads} D={head_dim} bf16, "
-          f"block {block_size}; max |triton - sdpa| = {max_err:.3e}")
-    report("torch sdpa (is_causal, enable_gqa)", sdpa)
-    default = default_tile_config(head_dim, dtype, seq_len, num_heads // num_kv_heads)
-    report(f"triton {label(default)} (default)",
-           lambda: run(None))
-    for config in _BENCH_CONFIGS:
-        report(f"triton {label(config)}", functools.partial(run, config))
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs a CUDA GPU; the tests cover CPU (TRITON_INTERPRET=1)")
-    _bench()

@@ -1,6 +1,6 @@
 """Rotary embedding and the KV cache write in one Triton launch.
 
-Semantics: `kernels.reference.rotary_write_kv_cache`, i.e. `rotary_embedding` of q and k,
+Semantics: `kernels.attention.reference.rotary_write_kv_cache`, i.e. `rotary_embedding` of q and k,
 then `write_kv_cache` of the rotated k and of v. One program per token rotates its q and k
 heads in place (their storage, usually the qkv projection's output, is overwritten) and
 stores the rotated k and v into its slot of the paged cache, so the rotated k never makes
@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels import pdl
-from vllm_cluster.kernels.fp8_kv import is_fp8
-from vllm_cluster.kernels.triton_ops import _to_fp8
+from vllm_cluster.kernels.attention.fp8_kv import is_fp8
+from vllm_cluster.kernels.attention.triton_kv_write import to_fp8
+from vllm_cluster.kernels.sync import pdl
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _rotate_in_place(
     return out1, out2
 
 
-# The decode attention's rotary of the new token (kernels/triton_decode_attention.py).
+# The decode attention's rotary of the new token (kernels/attention/triton_decode.py).
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def cos_sin_row(cos_ptr, sin_ptr, dims, HEAD_DIM: tl.constexpr):
 @triton.jit
 def rotate_heads(ptrs, dims, cos, sin, mask, HALF: tl.constexpr):
     """Rotate-half rotary of the heads at ptrs ([R, D], D contiguous), as
-    `kernels.reference.rotary_embedding` computes it (fp32, then rounded to x's dtype)."""
+    `kernels.elementwise.reference.rotary_embedding` computes it (fp32, then rounded to x's dtype)."""
     first = dims < HALF
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(ptrs + tl.where(first, HALF, -HALF), mask=mask, other=0.0).to(tl.float32)
@@ -79,7 +79,7 @@ def rotate_and_cache_new_kv(
     v = tl.load(v_ptr + dims[None, :], mask=ok, other=0.0)
     element_ty = cache_ptr.dtype.element_ty
     if KV_FP8:
-        k, v = _to_fp8(k, k_scale_ptr, element_ty), _to_fp8(v, v_scale_ptr, element_ty)
+        k, v = to_fp8(k, k_scale_ptr, element_ty), to_fp8(v, v_scale_ptr, element_ty)
     else:
         k, v = k.to(element_ty), v.to(element_ty)
     if write:
@@ -104,7 +104,7 @@ def _rotary_write_kv_cache_kernel(
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.dependent_start(PDL)  # kernels/pdl.py
+    pdl.dependent_start(PDL)  # kernels/sync/pdl.py
     token = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + token * cos_stride_t + half, mask=half < HALF, other=0.0).to(tl.float32)
@@ -132,10 +132,10 @@ def _rotary_write_kv_cache_kernel(
         )
         element_ty = cache_ptr.dtype.element_ty
         if KV_FP8:
-            tl.store(dst, _to_fp8(k1, k_scale_ptr, element_ty), mask=mask)
-            tl.store(dst + HALF * cache_stride_d, _to_fp8(k2, k_scale_ptr, element_ty), mask=mask)
-            tl.store(dst + cache_stride_kv, _to_fp8(v1, v_scale_ptr, element_ty), mask=mask)
-            tl.store(dst + cache_stride_kv + HALF * cache_stride_d, _to_fp8(v2, v_scale_ptr, element_ty), mask=mask)
+            tl.store(dst, to_fp8(k1, k_scale_ptr, element_ty), mask=mask)
+            tl.store(dst + HALF * cache_stride_d, to_fp8(k2, k_scale_ptr, element_ty), mask=mask)
+            tl.store(dst + cache_stride_kv, to_fp8(v1, v_scale_ptr, element_ty), mask=mask)
+            tl.store(dst + cache_stride_kv + HALF * cache_stride_d, to_fp8(v2, v_scale_ptr, element_ty), mask=mask)
         else:
             tl.store(dst, k1.to(element_ty), mask=mask)
             tl.store(dst + HALF * cache_stride_d, k2.to(element_ty), mask=mask)

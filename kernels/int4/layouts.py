@@ -8,7 +8,7 @@ reordering of the second's words:
   "pairs"  nibble i of word w of block b holds input 128 b + 32 (i % 4) + 2 w + i // 4:
            read as int16 halves, nibble p of half c holds input 128 b + 32 p + c, so the
            two halves of a word are adjacent inputs, what a tensor-core operand register
-           holds (kernels/triton_int4_mma.py); the CUDA-core GEMV reads it too.
+           holds (kernels/int4/triton_mma.py); the CUDA-core GEMV reads it too.
   "tiles"  the pairs words in the order the MMA GEMV's lanes read them, int32
            [N/16, K/128, 256]: tile r of 16 outputs, block b, lane (g, t) = (l // 4, l % 4)
            at words 8 l .. 8 l + 7 = pairs words 16 b + 4 t .. + 3 of output 16 r + g, then
@@ -16,17 +16,17 @@ reordering of the second's words:
            weight one run of 16 K / 2 bytes (the pairs layout has 16 runs of 64 bytes per
            block, 2 KB apart at K = 4096): the MMA GEMV 0.91-0.96x its time on the pairs
            layout on llama-3.1-8b's gate_up, 0.94-0.97x over a layer, batch-1 decode 2.110
-           -> 2.044 ms (docs/benchmarks.md, session 15).
+           -> 2.044 ms (benchmarks/bench_int4_mma_gemv.py --layout tiles, benchmarks/bench_quant_gpu.py).
 
-kernels/triton_int4_rows.py reads rows and pairs at one row of x (its `pairs` flag),
-kernels/triton_int4_rows_dot.py "rows" at 2..128 rows; kernels/triton_int4_mma.py and the MMA
+kernels/int4/triton_rows.py reads rows and pairs at one row of x (its `pairs` flag),
+kernels/int4/triton_rows_dot.py "rows" at 2..128 rows; kernels/int4/triton_mma.py and the MMA
 GEMV read "pairs" and "tiles" (`tiled`). Int4Linear repacks into DECODE_LAYOUT where the
 layout fits (`tiles_layout_fits`: 16-output tiles, groups of whole blocks;
 `pairs_layout_fits`: runs of 32 inputs within a group; `rows_layout_fits`: runs of 16),
 else into the next of tiles, pairs, rows that fits, else keeps GPTQ's. The torch functions
 here are the definition: `rows_to_gptq(gptq_to_rows(w)) == w`,
 `unpack_pairs_layout(gptq_to_pairs(w)) == unpack_rows(w)`, `tiles_to_pairs(pairs_to_tiles(p))
-== p`, and kernels/int4_reference.py dequantizes all three through them (the CPU path).
+== p`, and kernels/int4/reference.py dequantizes all three through them (the CPU path).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_cluster.kernels.int4_reference import unpack_rows
+from vllm_cluster.kernels.int4.packing import unpack_rows
 
 # The layout Int4Linear repacks GPTQ weights into (engine/quantization/int4_linear.py):
 # "tiles", "pairs" (batch-1 3.037 ms against 3.080 for rows, and offline throughput 5,509

@@ -1,4 +1,4 @@
-"""The inline PTX of the INT4 MMA GEMV (kernels/triton_int4_mma_gemv.py, whose docstring
+"""The inline PTX of the INT4 MMA GEMV (kernels/int4/triton_mma_gemv.py, whose docstring
 gives the fragment mapping): one lane's work on a 16-row tile over a block of 128 inputs,
 as assembly text (`ASM[fp16, multi]`, `CONSTRAINTS[multi]`) and as the Triton call that
 feeds it its 32 registers (`mma_block`). tests/kernels/ptx_warp.py runs the same text on

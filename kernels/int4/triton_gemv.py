@@ -1,6 +1,6 @@
-"""INT4 GEMV for decode, GPTQ and AWQ packings (kernels/int4_reference.py) with groups of
+"""INT4 GEMV for decode, GPTQ and AWQ packings (kernels/int4/reference.py) with groups of
 consecutive inputs: y [M, N] = x [M, K] @ W [K, N] + bias, W = (q - zero) * scale, for
-M <= GEMV_MAX_ROWS. Act-order (a g_idx gather) stays with kernels/triton_int4_gemm.py.
+M <= GEMV_MAX_ROWS. Act-order (a g_idx gather) stays with kernels/int4/triton_gemm.py.
 
 The unpack costs a shift, one mask-and-or and one fp32 subtract per weight:
 (q | 0x4B000000) read as fp32 is 2^23 + q, so subtracting 2^23 + zero leaves q - zero
@@ -11,7 +11,7 @@ Programs are (row of x, BLOCK_N outputs, one of SPLIT_K ranges of K tiles). Each
 its fp32 partial sums into a workspace and counts itself in on the semaphore of its
 (row, N block); the last to arrive adds the partials and the bias, writes y in x's dtype
 and sets the semaphore back to 0. So a linear is one launch, with no zeroed buffer and no
-cast kernel (semaphores: kernels/semaphores.py, shared with kernels/triton_int4_rows.py).
+cast kernel (semaphores: kernels/sync/semaphores.py, shared with kernels/int4/triton_rows.py).
 """
 
 from __future__ import annotations

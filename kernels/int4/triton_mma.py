@@ -1,10 +1,10 @@
 """INT4 products of a few rows of x (batched decode, 25..128 rows) on the tensor cores, on
-the "pairs" layout (kernels/int4_rows.py): the weight is the tall operand of tl.dot, x^T
+the "pairs" layout (kernels/int4/layouts.py): the weight is the tall operand of tl.dot, x^T
 (its rows zero-padded to BLOCK_M) the narrow one. Up to 24 rows go to the warp-level MMA
-GEMV of kernels/triton_int4_mma_gemv.py (MMA_GEMV_MAX_ROWS; no shared memory, x's rows in
+GEMV of kernels/int4/triton_mma_gemv.py (MMA_GEMV_MAX_ROWS; no shared memory, x's rows in
 the MMA's columns, 8 a program: 0.72x this kernel's time on llama-3.1-8b's layer at 2-8
 rows, 0.66-0.79x at 9-24, about even at 32, and 6%
-faster at one row than the x2 CUDA-core GEMV of kernels/triton_int4_rows.py, which was
+faster at one row than the x2 CUDA-core GEMV of kernels/int4/triton_rows.py, which was
 faster than this kernel there: ONE_ROW_ON_TL_DOT; docs/benchmarks.md).
 
 The weight tile is converted in registers, two weights per 32-bit register: the two
@@ -25,9 +25,9 @@ a llama-3.1-8b layer's four products take 0.58x the time of the rows layout's tl
 (which dequantize every weight in fp32 and add split-K partials with atomics), at 64 rows 0.65x.
 
 Programs are (BLOCK_M rows of x, BLOCK_N outputs, one of split_k ranges of K blocks);
-split partials meet in a workspace under a semaphore (kernels/semaphores.py), the last
+split partials meet in a workspace under a semaphore (kernels/sync/semaphores.py), the last
 program of a tile writes y, so a product is one launch. With PDL a program reads its first
-block of weights before gdc_wait (kernels/pdl.py). The wrappers read only shapes:
+block of weights before gdc_wait (kernels/sync/pdl.py). The wrappers read only shapes:
 graph-capturable. Under the Triton interpreter (CPU tests), and for fp32 x, the weights
 are made with plain ops as fp32 numbers (inline PTX does not run there): the same values.
 """
@@ -42,30 +42,32 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from vllm_cluster.kernels import pdl
-from vllm_cluster.kernels.dispatch import AddNorm, Normed
-from vllm_cluster.kernels import triton_int4_mma_gemv as mma_gemv
-from vllm_cluster.kernels.int4_rows import pairs_shape
-from vllm_cluster.kernels.semaphores import reduce_splits, semaphores
-from vllm_cluster.kernels.triton_int4_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels.elementwise.dispatch import silu_and_mul
+from vllm_cluster.kernels.int4 import triton_mma_gemv as mma_gemv
+from vllm_cluster.kernels.int4.layouts import pairs_shape
+from vllm_cluster.kernels.int4.triton_rows import gemv_rows, packed_math, pick_rows_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.sync import pdl
+from vllm_cluster.kernels.sync.semaphores import reduce_splits, semaphores
 
 PAIRS_BLOCK = 128  # inputs per block; a block is 32 int16 halves per output
 # Rows of x above which the weight is dequantized for cuBLAS (prefill) instead.
 DEQUANT_MIN_ROWS = 128
 # One row of x (batch-1 decode) on this file's tl.dot kernel too (True; an experiment switch),
 # or through the GEMVs (False): the MMA GEMV, or the CUDA-core GEMV of
-# kernels/triton_int4_rows.py where it does not apply. One row here made batch-1 decode of
+# kernels/int4/triton_rows.py where it does not apply. One row here made batch-1 decode of
 # llama-3.1-8b 3.197 ms against 3.060 with the CUDA-core GEMV (then on the rows layout; one
 # H200 call, docs/benchmarks.md, where the switch is named ONE_ROW_ON_TENSOR_CORES).
 ONE_ROW_ON_TL_DOT = False
 # At one row, SiLU-and-mul of a [gate | up] product in the GEMV's last program (one launch).
 SILU_MUL_GEMV = True
-# Rows of x up to which the warp-level MMA GEMV (kernels/triton_int4_mma_gemv.py: bf16 or fp16
+# Rows of x up to which the warp-level MMA GEMV (kernels/int4/triton_mma_gemv.py: bf16 or fp16
 # x, groups of 128 inputs or more, at most its MAX_ROWS, 8 a program) takes the product: at one
 # row instead of the x2 arithmetic CUDA-core GEMV, above it instead of this file's tl.dot
 # kernel. 24: a llama-3.1-8b layer's four products at 9 / 16 / 24 rows 0.70 / 0.66 / 0.79x the
 # tl.dot kernel's time on the H200, at 32 0.96x with gate_up and down slower
-# (docs/benchmarks.md, session 21). 0: neither.
+# (benchmarks/bench_int4_mma_gemv.py). 0: neither.
 MMA_GEMV_MAX_ROWS = 24
 # Under PDL, each program reads its first block of weights before waiting for x.
 EARLY_FIRST_BLOCK = True
@@ -179,7 +181,7 @@ def _pairs_mma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL and EARLY:
         early = tl.load(weights + first * block_halves, mask=first < last, other=0)  # weights: no kernel of the chain writes them
-        gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
+        gdc_wait()  # launched while the kernel before ends; x is its output (kernels/sync/pdl.py)
         if first < last:
             acc = _block_product(
                 acc, early, first, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N, group_size,
@@ -215,23 +217,17 @@ def pick_mma_config(
     return MmaConfig(block_n, block_m, split_k, num_warps, num_stages, EARLY_FIRST_BLOCK if early is None else early)
 
 
-def int4_mma(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    group_size: int,
-    zero_offset: int,
-    config: MmaConfig,
-    tiled: bool = False,
-) -> torch.Tensor:
-    """x [M, K] @ a pairs-layout INT4 weight (qweight int32 [N, K/8]; tiled: the tiles layout,
-    [N/16, K/128, 256]) (+ bias) -> [M, N] in x's dtype: bf16 and fp16 x meet weights of their
-    own dtype on the tensor cores, fp32 x fp32 weights. group_size: inputs per group (K: one)."""
+def int4_mma(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, config: MmaConfig) -> torch.Tensor:
+    """x [M, K] @ a pairs- or tiles-layout INT4 weight (qweight int32 [N, K/8], tiles
+    [N/16, K/128, 256]) of consecutive groups (+ bias) -> [M, N] in x's dtype: bf16 and fp16
+    x meet weights of their own dtype on the tensor cores, fp32 x fp32 weights."""
+    assert weight.layout in ("pairs", "tiles") and weight.g_idx is None, (weight.layout, "act-order")
+    qweight, qzeros, scales, zero_offset = weight.qweight, weight.qzeros, weight.scales, weight.zero_offset
+    tiled = weight.layout == "tiles"
     x = x.contiguous()
     m, k = x.shape
     n, k_weight = pairs_shape(qweight)
+    group_size = weight.group(k)
     assert k_weight == k and k % PAIRS_BLOCK == 0 and tiled == (qweight.dim() == 3), (x.shape, qweight.shape, tiled)
     assert group_size % 32 == 0 and (group_size % 128 == 0 or 128 % group_size == 0), group_size
     assert qweight.numel() < 2**31 and config.split_k * m * n < 2**31, "int32 offsets"
@@ -274,76 +270,65 @@ def _dequant_pairs_kernel(
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
 
 
-def dequantize_pairs(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, zero_offset: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The weight [K, N] in `dtype` (a temporary for prefill's cuBLAS matmul) of a pairs or
-    (3-d qweight) tiles layout."""
+def dequantize_pairs(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [K, N] of a pairs or tiles layout in `dtype` (a temporary for prefill's
+    cuBLAS matmul)."""
+    assert weight.layout in ("pairs", "tiles"), weight.layout
+    qweight = weight.qweight
     n, k = pairs_shape(qweight)
     tiled = qweight.dim() == 3
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     _dequant_pairs_kernel[(k // PAIRS_BLOCK, triton.cdiv(n, 64))](
-        qweight.view(torch.int16), qzeros, scales, out, n, k // 4 * (16 if tiled else 1), group_size,
-        ZERO_OFFSET=zero_offset, BLOCK_N=64, TILED=tiled,
+        qweight.view(torch.int16), weight.qzeros, weight.scales, out, n, k // 4 * (16 if tiled else 1),
+        weight.group(k), ZERO_OFFSET=weight.zero_offset, BLOCK_N=64, TILED=tiled,
     )  # fmt: skip
     return out
 
 
 def int4_gemm_pairs(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int,
-    zero_offset: int,
-    num_sms: int = 132,
-    silu_mul: bool = False,
-    tiled: bool = False,
-    rms: Normed | None = None,
+    x: torch.Tensor, weight: Int4Weight, num_sms: int = 132, silu_mul: bool = False, rms: Normed | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ a pairs-layout INT4 weight -> [M, N] in x's dtype (semantics of
-    kernels.int4_reference.int4_gemm on the same weight); group_size -1: one group. Up to
-    DEQUANT_MIN_ROWS rows on the tensor cores here, above that cuBLAS on the dequantized weight.
-    silu_mul: the weight is [gate | up], the result silu_and_mul of the product, [M, N / 2]
-    (one launch at one row: the GEMV applies it to its sums). tiled: qweight is in the tiles
-    layout (kernels/int4_rows.py), which the CUDA-core GEMV does not read: one row goes to the
-    MMA GEMV, or where that does not apply to the tl.dot kernel. rms: x is rms.hg, whose norm
-    the MMA GEMV finishes (kernels/triton_add_norm.py); other paths take rms.materialize()."""
+    """x [M, K] @ a pairs- or tiles-layout INT4 weight -> [M, N] in x's dtype (semantics of
+    kernels/int4/reference.py's int4_gemm). Up to DEQUANT_MIN_ROWS rows on the tensor cores
+    here, above that cuBLAS on the dequantized weight. silu_mul: the weight is [gate | up], the
+    result silu_and_mul of the product, [M, N / 2] (one launch at one row: the GEMV applies it
+    to its sums). The tiles layout (kernels/int4/layouts.py) the CUDA-core GEMV does not read:
+    one row goes to the MMA GEMV, or where that does not apply to the tl.dot kernel. rms: x is
+    rms.hg, whose norm the MMA GEMV finishes (kernels/linear/triton_add_norm.py); other paths
+    take rms.materialize()."""
+    assert weight.layout in ("pairs", "tiles"), weight.layout
     m, k = x.shape
-    group = k if group_size == -1 else group_size
+    group = weight.group(k)
+    tiled = weight.layout == "tiles"
     if rms is not None:
         if _one_row_on_mma(x, group) and (SILU_MUL_GEMV or not silu_mul):
-            mma_config = mma_gemv.pick_mma_gemv_config(pairs_shape(qweight)[0], k, num_sms, silu_mul=silu_mul)
-            return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul, tiled, rms)
+            mma_config = mma_gemv.pick_mma_gemv_config(pairs_shape(weight.qweight)[0], k, num_sms, silu_mul=silu_mul)
+            return mma_gemv.gemv_pairs_mma(x, weight, mma_config, silu_mul, rms)
         x = rms.materialize()
-    n, _ = pairs_shape(qweight)
+    n, _ = pairs_shape(weight.qweight)
     if silu_mul and (m != 1 or ONE_ROW_ON_TL_DOT or not SILU_MUL_GEMV):
-        from vllm_cluster.kernels.dispatch import silu_and_mul
-
-        return silu_and_mul(int4_gemm_pairs(x, qweight, qzeros, scales, group_size, zero_offset, num_sms, tiled=tiled))
+        return silu_and_mul(int4_gemm_pairs(x, weight, num_sms))
     if m > DEQUANT_MIN_ROWS:
-        return x @ dequantize_pairs(qweight, qzeros, scales, group, zero_offset, x.dtype)
+        return x @ dequantize_pairs(weight, x.dtype)
     if m <= MMA_GEMV_MAX_ROWS and not (m == 1 and ONE_ROW_ON_TL_DOT) and mma_gemv.supported(x, group):
         mma_config = mma_gemv.pick_mma_gemv_config(n, k, num_sms, silu_mul=silu_mul, rows=m)
-        return mma_gemv.gemv_pairs_mma(x, qweight, qzeros, scales, group, zero_offset, mma_config, silu_mul, tiled)
+        return mma_gemv.gemv_pairs_mma(x, weight, mma_config, silu_mul)
     if m == 1 and not ONE_ROW_ON_TL_DOT and not tiled:
         config = pick_rows_config(n, k, num_sms, packed=packed_math(x.dtype, group))
-        return gemv_rows(x.contiguous(), qweight, qzeros, scales, None, group, zero_offset, config, True, silu_mul)
-    return int4_mma(x, qweight, qzeros, scales, None, group, zero_offset, pick_mma_config(m, n, k, num_sms), tiled)
+        return gemv_rows(x.contiguous(), weight, None, config, silu_mul)
+    return int4_mma(x, weight, None, pick_mma_config(m, n, k, num_sms))
 
 
 def int4_gemm_pairs_add_norm(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-    zero_offset: int, num_sms: int, tiled: bool, add_norm: AddNorm,
-) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """The MMA GEMV of one row with the first half of the norm after it (kernels/triton_add_norm.py):
-    (hg, h); None where the row does not go to the MMA GEMV."""
+    x: torch.Tensor, weight: Int4Weight, num_sms: int, add_norm: AddNorm
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The MMA GEMV of one row with the first half of the norm after it
+    (kernels/linear/triton_add_norm.py): (hg, h); None where the row does not go to the MMA GEMV."""
     k = x.shape[1]
-    group = k if group_size == -1 else group_size
-    if not _one_row_on_mma(x, group):
+    if not _one_row_on_mma(x, weight.group(k)):
         return None
-    config = mma_gemv.pick_mma_gemv_config(pairs_shape(qweight)[0], k, num_sms)
-    return mma_gemv.gemv_pairs_mma_add_norm(x, qweight, qzeros, scales, group, zero_offset, config, tiled, add_norm)
+    config = mma_gemv.pick_mma_gemv_config(pairs_shape(weight.qweight)[0], k, num_sms)
+    return mma_gemv.gemv_pairs_mma_add_norm(x, weight, config, add_norm)
 
 
 def _one_row_on_mma(x: torch.Tensor, group: int) -> bool:

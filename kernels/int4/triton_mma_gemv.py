@@ -1,6 +1,6 @@
 """The INT4 GEMV of decode (1 to 32 rows of x, 8 a program) on the tensor cores, through warp-level MMAs
 (mma.sync m16n8k16) written in PTX, on the pairs layout or its tiles ordering
-(kernels/int4_rows.py; `tiled`: the same words, so the same results bit for bit, but a
+(kernels/int4/layouts.py; `tiled`: the same words, so the same results bit for bit, but a
 warp's 16 rows x 128 inputs are 1 KB in one piece instead of 16 runs of 64 bytes K / 2 bytes
 apart). Each lane loads from global memory exactly the words its MMA operand needs: no
 shared memory, no barrier in the loop.
@@ -21,32 +21,32 @@ and per block and row the fp32 sum becomes sum_k (q_k - zero) x_k = D -
 (OFFSET + zero) X, times the group's scale, into the accumulator. At one row that is one MMA
 a block: its B's column g holds 16 other inputs of the block (the lane's `x_share`, two
 pairs it loads besides its operand pairs), and two butterfly shuffles add D's 8 columns
-(kernels/int4_mma_ptx.py; 8 MMAs a block fewer than a chain over the operands' B, gate_up
-22.83 -> 21.91 us, docs/benchmarks.md session 15); with M rows a chain of 8 over the same B
+(kernels/int4/mma_ptx.py; 8 MMAs a block fewer than a chain over the operands' B, gate_up
+22.83 -> 21.91 us, benchmarks/bench_int4_mma_gemv.py); with M rows a chain of 8 over the same B
 as the weights, each column summing its row of x. Products are exact and
 sums fp32 in the MMA; the subtraction cancels about OFFSET X, so a block's fp32 roundings
 are relative to (OFFSET + 15) sum |x| (2^-24 each): for bf16 (128) far below the output's
 rounding, for fp16 (1024) about as large as fp16's (tests bound both). In bf16, half the
-error of the x2 arithmetic GEMV (kernels/triton_int4_rows.py), whose four-term sums round
+error of the x2 arithmetic GEMV (kernels/int4/triton_rows.py), whose four-term sums round
 to bf16. Per lane and block: 8 words, 32 LOP3, 24 shifts, 8 weight MMAs, 1 sum MMA with 2
 shuffles and 3 adds (M rows: 8 sum MMAs), 4 FMAs (8 with M rows).
 
-At one row every column of B is x, so every column of D is x . w: lane (g, t) reads
-outputs g and g + 8 from d0 and d2. With M rows (MULTI, up to 8) B's column n is x's row n
-(lane (g, t) loads row g's pairs; rows past M repeat the last) and d0, d1, d2, d3 are
-outputs g, g, g + 8, g + 8 for x's rows 2t, 2t + 1, 2t, 2t + 1, the ones-MMA giving each
-row's sum of x in its column: the same loads and MMAs for up to 8 rows. More rows (up to
-MAX_ROWS) are chunks of 8, one program each on grid axis 0: the programs of a weight tile
-are launched side by side, so the chunks after the first mostly read it from the L2 (9
-rows cost about 1.5x of 8, not 2x; docs/benchmarks.md, session 21). The PTX is right only if element i of the [T] tensors it reads sits in
-lane i % 32 of warp (i // 32) % WARPS, the blocked layout Triton gives them;
-tests/kernels/test_int4_mma_gemv.py checks the compiled kernel's layout (on any machine)
-and its values (on a GPU). K may be split over a tile's warps (K_WARPS), whose sums meet in
-shared memory after the loop, and then over programs, whose partials meet under a semaphore
-(kernels/semaphores.py): llama-3.1-8b's qkv, o and down take 8 warps a tile and no split
-over programs (o 5.9 -> 4.8 us, down 12.0 -> 10.7; docs/benchmarks.md, session 17).
+At one row every column of B is x, so every column of D is x . w: lane (g, t) reads outputs g
+and g + 8 from d0 and d2. With M rows (MULTI, up to 8) B's column n is x's row n (lane (g, t)
+loads row g's pairs; rows past M repeat the last) and d0, d1, d2, d3 are outputs g, g, g + 8,
+g + 8 for x's rows 2t, 2t + 1, 2t, 2t + 1, the ones-MMA giving each row's sum of x in its column:
+the same loads and MMAs for up to 8 rows. More rows (up to MAX_ROWS) are chunks of 8, one
+program each on grid axis 0: the programs of a weight tile are launched side by side, so the
+chunks after the first mostly read it from the L2 (9 rows cost about 1.5x of 8, not 2x;
+benchmarks/bench_int4_mma_gemv.py). The PTX is right only if element i of the [T] tensors it
+reads sits in lane i % 32 of warp (i // 32) % WARPS, the blocked layout Triton gives them;
+tests/kernels/test_int4_mma_gemv.py checks the compiled kernel's layout (on any machine) and
+its values (on a GPU). K may be split over a tile's warps (K_WARPS), whose sums meet in shared
+memory after the loop, and then over programs, whose partials meet under a semaphore
+(kernels/sync/semaphores.py): llama-3.1-8b's qkv, o and down take 8 warps a tile and no split
+over programs (o 5.9 -> 4.8 us, down 12.0 -> 10.7; benchmarks/bench_int4_mma_gemv.py).
 SILU_MUL reads gate and up rows and stores silu(gate) * up, as the x2 GEMV does. Under PDL
-(kernels/pdl.py) a program reads its first step's weights before it waits for x, and lets
+(kernels/sync/pdl.py) a program reads its first step's weights before it waits for x, and lets
 the kernel after launch once its weight loop is done (LATE_TRIGGER). GPU only (PTX); the
 wrapper reads only shapes: graph-capturable.
 """
@@ -60,20 +60,21 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from vllm_cluster.kernels import pdl
-from vllm_cluster.kernels.dispatch import AddNorm, Normed
-from vllm_cluster.kernels.int4_mma_ptx import ASM, CONSTRAINTS, mma_block
-from vllm_cluster.kernels.int4_rows import ROW_BLOCK, pairs_shape
-from vllm_cluster.kernels.semaphores import semaphores, sum_splits
-from vllm_cluster.kernels.triton_add_norm import (
+from vllm_cluster.kernels.int4.layouts import ROW_BLOCK, pairs_shape
+from vllm_cluster.kernels.int4.mma_ptx import ASM, CONSTRAINTS, mma_block
+from vllm_cluster.kernels.int4.triton_rows import split_steps
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.linear.triton_add_norm import (
     launch_args,
     load_residual,
     load_sum_of_squares,
     rms_scale,
     store_add_norm,
 )
-from vllm_cluster.kernels.triton_int4_rows import split_steps
-from vllm_cluster.kernels.triton_linear import store_outputs
+from vllm_cluster.kernels.linear.triton_gemv import store_outputs
+from vllm_cluster.kernels.sync import pdl
+from vllm_cluster.kernels.sync.semaphores import semaphores, sum_splits
 
 # Rows of x a program takes: the MMA's 8 columns (m16n8k16; fixed, not a tuning value; the
 # kernel's literal 8s). x's rows are split into chunks of 8, one program each (grid axis 0,
@@ -83,15 +84,15 @@ CHUNK_ROWS = 8
 MAX_ROWS = 32
 # Fewest ranges K is split into. One: gate_up's 448 programs of 64 rows fill the H200's SMs
 # without a split, and splitting it in two costs the partials' round trip (26.2 -> 23.9 us;
-# docs/benchmarks.md, session 14). The x2 GEMV keeps split_steps' default of two.
+# benchmarks/bench_int4_mma_gemv.py). The x2 GEMV keeps split_steps' default of two.
 MIN_SPLIT = 1
 # Under PDL a program lets the kernel after launch once its weight loop is done (True), so
 # that the norm, attention or down GEMV after is resident and waiting while the last
 # programs sum their splits and store; or not at all (False: it launches as the last
 # program exits). True: gptq-lm-head batch-1 1.997 -> 1.867 ms on the H200
-# (docs/benchmarks.md, session 16). Earlier is worse: at the loop's last step 1.967 against
-# 1.865 in one call; at the start +490 us (session 7, the x2 GEMV), and with this kernel, for
-# qkv, o and down, 1.722 -> 1.746 ms (session 18, commit bda6b60's EARLY_TRIGGER).
+# (benchmarks/bench_quant_gpu.py). Earlier is worse: at the loop's last step 1.967 against
+# 1.865 in one call; at the start +490 us (the x2 GEMV), and with this kernel, for qkv, o and
+# down, 1.722 -> 1.746 ms (a trigger at the kernel's start; both benchmarks/bench_quant_gpu.py).
 LATE_TRIGGER = True
 # pick_mma_gemv_config: the most warps that split a tile's K, their sums meeting in shared
 # memory (1: none; K split over programs only, their partials meeting in global memory).
@@ -101,7 +102,7 @@ WARPS_PER_SM = 16
 # ... and from this many warps an SM a warp loads one block a step, not two (lm_head: 60).
 UNROLL_ONE_WARPS = 20
 # pick_mma_gemv_config at 2-8 rows of x (four accumulators a lane): at most this many warps a
-# tile (down at 2 rows: 8 warps 14.5 us, 4 warps 12.8; session 17).
+# tile (down at 2 rows: 8 warps 14.5 us, 4 warps 12.8; benchmarks/bench_int4_mma_gemv.py).
 ROWS_WARP_SPLIT = 4
 
 
@@ -189,7 +190,7 @@ def _mma_gemv_kernel(
     K_WARPS: warps w and w + 1 .. share tiles (numbered w // K_WARPS), each step's K_WARPS *
     UNROLL blocks shared out UNROLL to a warp (w % K_WARPS); their sums meet in shared memory
     at the end, not through a split's round trip to global memory. ADD_NORM and RMS (one row):
-    the two halves of the norm between GEMVs (kernels/triton_add_norm.py)."""
+    the two halves of the norm between GEMVs (kernels/linear/triton_add_norm.py)."""
     T: tl.constexpr = UNROLL * TILES * WARPS * 32
     NT: tl.constexpr = TILES * WARPS // K_WARPS  # the program's tiles
     BLOCK_N: tl.constexpr = 16 * NT
@@ -232,7 +233,7 @@ def _mma_gemv_kernel(
     acc3 = tl.zeros((T,), dtype=tl.float32)
     # Each step's loads are issued a step ahead into registers (no shared memory: Triton's
     # cp.async pipeline made this loop 4x slower, a wait and a barrier a step). Under PDL the
-    # first step's weights are read before waiting for x (kernels/pdl.py).
+    # first step's weights are read before waiting for x (kernels/sync/pdl.py).
     lo, hi, off_lo, off_hi, s_lo, s_hi = _load_weights(
         tl.minimum(first, last - 1), words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_hi, block, N, GROUP_BLOCKS,
         STEP, ZERO_OFFSET, FP16, TILED,
@@ -255,7 +256,7 @@ def _mma_gemv_kernel(
         )
         lo, hi, off_lo, off_hi, s_lo, s_hi = n_lo, n_hi, n_off_lo, n_off_hi, n_s_lo, n_s_hi
         xa, xb, xc, xd, xs = n_xa, n_xb, n_xc, n_xd, n_xs
-    if PDL and LATE_TRIGGER:  # its weights read: the kernel after may launch (kernels/pdl.py)
+    if PDL and LATE_TRIGGER:  # its weights read: the kernel after may launch (kernels/sync/pdl.py)
         gdc_launch_dependents()
     rows, valid = _weight_row(pid, tl.arange(0, BLOCK_N), N_OUT, HALF, SILU_MUL)
     out_rows = tl.where(valid, rows, N)
@@ -327,47 +328,40 @@ def supported(x: torch.Tensor, group_size: int) -> bool:
 
 
 def gemv_pairs_mma_add_norm(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-    zero_offset: int, config: MmaGemvConfig, tiled: bool, add_norm: AddNorm,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor, weight: Int4Weight, config: MmaGemvConfig, add_norm: AddNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv_pairs_mma` of one row, then the first half of the norm after it
-    (kernels/triton_add_norm.py): (hg, h)."""
-    _, outputs = _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, False, tiled, add_norm, None)
+    (kernels/linear/triton_add_norm.py): (hg, h)."""
+    _, outputs = _gemv_pairs_mma(x, weight, config, False, add_norm, None)
     assert outputs is not None
     return outputs
 
 
 def gemv_pairs_mma(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int,
-    zero_offset: int,
-    config: MmaGemvConfig,
-    silu_mul: bool = False,
-    tiled: bool = False,
-    rms: Normed | None = None,
+    x: torch.Tensor, weight: Int4Weight, config: MmaGemvConfig, silu_mul: bool = False, rms: Normed | None = None
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, bf16 or fp16) @ a pairs-layout INT4 weight (qweight [N, K/8];
-    tiled: the tiles layout [N/16, K/128, 256], kernels/int4_rows.py) -> [M, N] in x's dtype; group_size: inputs per group, a multiple of 128 (K for one
-    group). silu_mul (one row): the weight is [gate | up] and the result silu(gate) * up,
-    [1, N / 2], rounded as `silu_and_mul` of the plain result. rms (one row): x is rms.hg, whose
-    norm this GEMV finishes (kernels/triton_add_norm.py)."""
-    return _gemv_pairs_mma(x, qweight, qzeros, scales, group_size, zero_offset, config, silu_mul, tiled, None, rms)[0]
+    """x [M, K] (M <= MAX_ROWS, bf16 or fp16) @ a pairs- or tiles-layout INT4 weight (qweight
+    [N, K/8], tiles [N/16, K/128, 256], kernels/int4/layouts.py) -> [M, N] in x's dtype; its
+    inputs per group a multiple of 128. silu_mul (one row): the weight is [gate | up] and the
+    result silu(gate) * up, [1, N / 2], rounded as `silu_and_mul` of the plain result. rms (one
+    row): x is rms.hg, whose norm this GEMV finishes (kernels/linear/triton_add_norm.py)."""
+    return _gemv_pairs_mma(x, weight, config, silu_mul, None, rms)[0]
 
 
 def _gemv_pairs_mma(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-    zero_offset: int, config: MmaGemvConfig, silu_mul: bool, tiled: bool, add_norm: AddNorm | None,
+    x: torch.Tensor, weight: Int4Weight, config: MmaGemvConfig, silu_mul: bool, add_norm: AddNorm | None,
     rms: Normed | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
     """gemv_pairs_mma -> (y, None), or with add_norm (y unwritten, (hg, h))."""
+    assert weight.layout in ("pairs", "tiles") and weight.g_idx is None, (weight.layout, "act-order")
+    qweight, qzeros, scales, zero_offset = weight.qweight, weight.qzeros, weight.scales, weight.zero_offset
+    tiled = weight.layout == "tiles"
     x = x.contiguous()
     m = x.shape[0]
     n, k = pairs_shape(qweight)
+    group_size = weight.group(k)
     assert supported(x, group_size) and x.shape[1] == k, (x.shape, x.dtype, qweight.shape, group_size)
-    assert tiled == (qweight.dim() == 3), f"qweight {tuple(qweight.shape)} is not in the {'tiles' if tiled else 'pairs'} layout"
+    assert tiled == (qweight.dim() == 3), f"qweight {tuple(qweight.shape)} is not in the {weight.layout} layout"
     assert k % (ROW_BLOCK * config.unroll * config.k_warps) == 0 and qweight.numel() < 2**31, (qweight.shape, config)
     assert config.num_warps % config.k_warps == 0 and config.block_n > 0, config
     assert not (silu_mul and tiled) or config.block_n % 32 == 0, f"{config}: SiLU-and-mul on tiles needs 2 tiles a program"

@@ -1,6 +1,6 @@
-"""The one-row INT4 GEMV (batch-1 decode) on the rows layout (kernels/int4_rows.py: each
+"""The one-row INT4 GEMV (batch-1 decode) on the rows layout (kernels/int4/layouts.py: each
 output's nibbles contiguous along K, GPTQ's zeros and scales) and the pairs layout, for
-groups of consecutive inputs; 2 rows and more on the rows layout: kernels/triton_int4_rows_dot.py.
+groups of consecutive inputs; 2 rows and more on the rows layout: kernels/int4/triton_rows_dot.py.
 
 - `gemv_rows`: a program owns BLOCK_N outputs and walks K
   in UNROLL blocks of 128 inputs, reading each row's 64 * UNROLL bytes with 16-byte loads,
@@ -14,7 +14,7 @@ groups of consecutive inputs; 2 rows and more on the rows layout: kernels/triton
   ((2^23 + q 2^p) * 2^-p - 2^(23-p)), and the fma with x. Zeros and scales are applied
   per group to the partial sums: y_n = sum_g s_gn * (sum_k q_kn x_k - z_gn * sum_k x_k).
   K may be split over SPLIT_K programs; their fp32 partials meet as in
-  kernels/triton_int4_gemv.py (workspace + per-block semaphore, the last one writes y).
+  kernels/int4/triton_gemv.py (workspace + per-block semaphore, the last one writes y).
   Under PDL it waits for x before its loop (whose pipeline issues the weight loads). The
   same loop reads the pairs layout (`pairs=True`): nibble j + 4 h of word w is then input
   32 j + 2 w + h, so per j one 32-bit load of x's pairs gives both nibbles' vectors.
@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from vllm_cluster.kernels import pdl
-from vllm_cluster.kernels.int4_rows import ROW_BLOCK
-from vllm_cluster.kernels.semaphores import semaphores, sum_splits
-from vllm_cluster.kernels.triton_linear import store_outputs, weight_rows
+from vllm_cluster.kernels.int4.layouts import ROW_BLOCK
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear.triton_gemv import store_outputs, weight_rows
+from vllm_cluster.kernels.sync import pdl
+from vllm_cluster.kernels.sync.semaphores import semaphores, sum_splits
 
 # Blocks of 128 inputs per step of the one-row GEMV (pick_rows_config's default).
 GEMV_UNROLL = 2
@@ -146,7 +147,7 @@ def _rows_gemv_kernel(
     last = tl.minimum(first + per_split, num_steps)
     acc = tl.zeros((BLOCK_N, UNROLL, 16), dtype=tl.float32)
     if PDL:
-        gdc_wait()  # launched while the kernel before ends; x is its output (kernels/pdl.py)
+        gdc_wait()  # launched while the kernel before ends; x is its output (kernels/sync/pdl.py)
     for step in tl.range(first, last, num_stages=NUM_STAGES):
         k0 = step * 128 * UNROLL
         packed = tl.load(words + step * 16 * UNROLL)  # [BN, U, 16]
@@ -220,7 +221,7 @@ def pick_rows_config(
 def split_steps(
     k: int, unroll: int, num_programs: int, num_sms: int, programs_per_sm: int, min_split: int = 2
 ) -> tuple[int, int]:  # fmt: skip
-    """The one-row GEMVs' steps (this file's and kernels/triton_int4_mma_gemv.py's): halve
+    """The one-row GEMVs' steps (this file's and kernels/int4/triton_mma_gemv.py's): halve
     `unroll` until it divides K's blocks of 128 inputs, then split the steps over programs
     until about `programs_per_sm` programs per SM, in at least `min_split` ranges.
     -> (unroll, split_k)."""

@@ -1,9 +1,9 @@
-"""INT4 matmuls of 2 rows of x and more on the rows layout (kernels/int4_rows.py), which
+"""INT4 matmuls of 2 rows of x and more on the rows layout (kernels/int4/layouts.py), which
 the loader keeps where the pairs layout does not fit (groups of 16) or int4_rows.DECODE_LAYOUT
-asks for it; one row goes to kernels/triton_int4_rows.py's GEMV.
+asks for it; one row goes to kernels/int4/triton_rows.py's GEMV.
 
 - 2..DEQUANT_MIN_ROWS rows: `int4_gemm_rows` multiplies, per nibble j of a block, the
-  dequantized [BLOCK_N, 16] weight (rounded to x's dtype, as kernels/triton_int4_gemm.py's
+  dequantized [BLOCK_N, 16] weight (rounded to x's dtype, as kernels/int4/triton_gemm.py's
   tiles do) by x^T [16, BLOCK_M] with tl.dot (wgmma: the weight is the tall operand);
 - above: `dequantize_rows` writes the whole weight in x's dtype for cuBLAS (prefill).
 The wrappers read only shapes, never values: graph-capturable.

@@ -121,8 +121,8 @@ def int8_linear(
 
 def _w8_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The weight-only Triton kernels for 1-byte weights: the GEMV for a few rows, else tiles."""
-    from vllm_cluster.kernels.linear.triton_w8_gemv import gemv_w8
     from vllm_cluster.kernels.linear.triton_int8_gemm import int8_gemm
+    from vllm_cluster.kernels.linear.triton_w8_gemv import gemv_w8
 
     if x.shape[0] <= _W8_GEMV_MAX_ROWS:
         return gemv_w8(x, qweight, scale, bias)

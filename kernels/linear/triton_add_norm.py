@@ -6,26 +6,26 @@ the next layer's norm, then its qkv. The norm is one program over 4096 values, a
 costs is a kernel boundary more: it waits for every program of the GEMV before, and the
 GEMV after waits for it. Here its work is split between the two GEMVs:
 
-- the GEMV before (o_proj, down_proj; `kernels.AddNorm`) adds the residual to its outputs as
+- the GEMV before (o_proj, down_proj; `AddNorm`, kernels/linear/add_norm.py) adds the residual to its outputs as
   it stores them, h = y + residual (rounded as the norm kernel rounds), and stores h (the
   new residual), hg = h * weight (the norm's weight, which is per output: each program has
   its rows'), and adds its rows' sum of h^2 into one fp64 slot with an atomic that nothing
   waits for;
-- the GEMV after (qkv, gate_up; `kernels.Normed`) reads hg as its x and multiplies its sums
+- the GEMV after (qkv, gate_up; `Normed`) reads hg as its x and multiplies its sums
   by rsqrt(slot / K + eps) before the bias and SiLU: sum_k w_k (h_k weight_k) rstd is
   sum_k w_k (weight * rms_norm(h))_k.
 
 The slot holds the whole sum once the GEMV before has ended, which is what the GEMV after
-waits for (kernels/pdl.py) before it reads anything. Slots are zeroed at the start of each
+waits for (kernels/sync/pdl.py) before it reads anything. Slots are zeroed at the start of each
 forward (engine/models/llama.py), one per norm. Rounding: the reference rounds h * rstd to
 the activations' dtype, then the product with the weight; here h * weight is rounded once
 and rstd applied in fp32: the same error, in another place. The fp64 sum is added in the
 order the programs arrive; its fp32 value is the same in any order unless the sum falls
 within about 2^-42 (relative: a few thousand fp64 roundings) of an fp32 rounding boundary.
 
-The GEMVs that do either part are the bf16 one (kernels/triton_linear.py), the 1-byte one
-(kernels/triton_gemv.py) and the INT4 MMA one (kernels/triton_int4_mma_gemv.py), at one row
-of x. `kernels.ADD_NORM_EPILOGUE` off: the norm has its own launch again.
+The GEMVs that do either part are the bf16 one (kernels/linear/triton_gemv.py), the 1-byte one
+(kernels/linear/triton_w8_gemv.py) and the INT4 MMA one (kernels/int4/triton_mma_gemv.py), at one row
+of x. `ADD_NORM_EPILOGUE` (kernels/linear/add_norm.py) off: the norm has its own launch again.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels.dispatch import AddNorm, Normed
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
 
 
 def launch_args(

@@ -3,7 +3,7 @@ scale = max(amax(|x_row|), MIN_AMAX) / 448, q = fp8_e4m3fn(clamp(x_row / scale, 
 
 One launch instead of the five a torch expression takes (abs, amax, divide, clamp,
 cast): this runs before every quantized linear of a decode step. Definition:
-`kernels/quant_ops.per_token_quant_fp8_reference`. No host sync: graph-capturable.
+`kernels/linear/dispatch.per_token_quant_fp8_reference`. No host sync: graph-capturable.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Each program owns BLOCK_N output rows and walks K in BLOCK_K chunks, multiplying
 and reducing once at the end. On the H200 (copy 4.25 TB/s) this reads llama-3.1-8b's
 o_proj at 76% of the copy bandwidth against cuBLAS's 59%, qkv 84% against 74%, down 88-91%
 against 86% (benchmarks/bench_gemv.py). The first weight tiles are loaded before the kernel
-waits for the one before (programmatic dependent launch, kernels/pdl.py). The wrapper reads
+waits for the one before (programmatic dependent launch, kernels/sync/pdl.py). The wrapper reads
 only shapes and strides, so it can be captured in a CUDA graph.
 Definition: `torch.nn.functional.linear`.
 """
@@ -18,16 +18,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from vllm_cluster.kernels import pdl
-from vllm_cluster.kernels.dispatch import AddNorm, Normed
-from vllm_cluster.kernels.triton_add_norm import (
+from vllm_cluster.kernels.elementwise.triton_ops import silu_times
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.linear.triton_add_norm import (
     launch_args,
     load_residual,
     load_sum_of_squares,
     rms_scale,
     store_add_norm,
 )
-from vllm_cluster.kernels.triton_ops import silu_times
+from vllm_cluster.kernels.sync import pdl
 
 BLOCK_N = 2
 MAX_BLOCK_K = 1024
@@ -99,10 +99,10 @@ def _gemv_kernel(
     ADD_NORM: tl.constexpr = False,
     RMS: tl.constexpr = False,
 ):
-    """The two halves of the norm between GEMVs (kernels/triton_add_norm.py): ADD_NORM stores
+    """The two halves of the norm between GEMVs (kernels/linear/triton_add_norm.py): ADD_NORM stores
     h = y + residual and h * weight and sums h^2, not y; RMS (x is h * weight) scales the sums
     by rsqrt(mean h^2 + eps)."""
-    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
+    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/sync/pdl.py)
         gdc_launch_dependents()
     rn, n_mask = weight_rows(tl.program_id(0), N, BLOCK_N, SILU_MUL)
     rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
@@ -111,7 +111,7 @@ def _gemv_kernel(
     if TWO_FIRST:  # K >= 2 BLOCK_K, EVEN_K: the second tile goes out before the wait too
         w2 = _load_k(rows, BLOCK_K + rk, K, True)
     if PDL:
-        gdc_wait()  # the first weight tiles are in flight; x is the kernel before's output (kernels/pdl.py)
+        gdc_wait()  # the first weight tiles are in flight; x is the kernel before's output (kernels/sync/pdl.py)
     residual = load_residual(residual_ptr, rn, n_mask, ADD_NORM)
     ss = load_sum_of_squares(ss_in_ptr, RMS)
     acc = w.to(tl.float32) * _load_k(x_ptr, rk, K, EVEN_K).to(tl.float32)[None, :]
@@ -137,14 +137,14 @@ def gemv(
     """x [1, K] (contiguous), weight [N, K] (unit stride along K) -> [1, N] in x's dtype.
     silu_mul: the weight is [gate | up] and the result silu(gate) * up, [1, N / 2], as
     `silu_and_mul` of the plain result (the same roundings; the fp32 sums may be added in
-    another order). rms: x is rms.hg, whose norm this GEMV finishes (kernels/triton_add_norm.py)."""
+    another order). rms: x is rms.hg, whose norm this GEMV finishes (kernels/linear/triton_add_norm.py)."""
     return _gemv(x, weight, bias, silu_mul, None, rms)[0]
 
 
 def gemv_add_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv`, then the first half of the norm after it (kernels/triton_add_norm.py): (hg, h)."""
+    """`gemv`, then the first half of the norm after it (kernels/linear/triton_add_norm.py): (hg, h)."""
     _, outputs = _gemv(x, weight, bias, False, add_norm, None)
     assert outputs is not None
     return outputs

@@ -5,8 +5,8 @@ int8 (INT8 weight-only) or fp8 e4m3 (FP8 at decode sizes: w8a16, x is not quanti
 w: [N, K] with one fp32 scale per output row (symmetric, per channel); the scale factors
 out of the K sum, so it is applied once to the fp32 accumulator. Both formats load as
 their uint8 bits (the Triton interpreter mishandles masked fp8 loads); their values are
-exact in fp16 / bf16 / fp32. For one row kernels/triton_gemv.py is faster (no 16-row tile).
-Definition: `kernels/quant_ops.int8_linear_reference` / `fp8_weight_only_reference`. The
+exact in fp16 / bf16 / fp32. For one row kernels/linear/triton_w8_gemv.py is faster (no 16-row tile).
+Definition: `kernels/linear/dispatch.int8_linear_reference` / `fp8_weight_only_reference`. The
 wrapper reads only shapes and dtypes (no host sync), so it can be captured in a CUDA graph.
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels.triton_gemv import w8_to_float
+from vllm_cluster.kernels.linear.triton_w8_gemv import w8_to_float
 
 
 @triton.jit

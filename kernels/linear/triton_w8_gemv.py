@@ -18,7 +18,7 @@ the fp32 rate. Both formats arrive as their uint8 bits (masked fp8 loads with `o
 misbehave in the Triton interpreter, which also runs no inline PTX: there int8 converts
 through the fp32 float trick). No host sync: graph-capturable. Timings and the sweep that
 chose the blocks: docs/benchmarks.md ("Quantization on one H200").
-Definition: `kernels/quant_ops.int8_linear_reference` / `fp8_weight_only_reference`.
+Definition: `kernels/linear/dispatch.int8_linear_reference` / `fp8_weight_only_reference`.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from vllm_cluster.kernels import pdl
-from vllm_cluster.kernels.dispatch import AddNorm, Normed
-from vllm_cluster.kernels.triton_add_norm import (
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.linear.triton_add_norm import (
     launch_args,
     load_residual,
     load_sum_of_squares,
     rms_scale,
     store_add_norm,
 )
-from vllm_cluster.kernels.triton_linear import store_outputs, weight_rows
+from vllm_cluster.kernels.linear.triton_gemv import store_outputs, weight_rows
+from vllm_cluster.kernels.sync import pdl
 
 GEMV_MAX_ROWS = 4
 # Row sums per tile (False) reduce each [BN, BK] tile across the program's warps through
@@ -48,9 +48,9 @@ GEMV_MAX_ROWS = 4
 LANE_SUMS = True
 # Weight rows a program reads (pick_blocks; half with SiLU-and-mul, gate and up rows). In
 # the fp8 batch-1 step on the H200: 2 rows 2.437 ms, 4 rows 2.389, 8 rows 2.533 (one call;
-# docs/benchmarks.md, session 18).
+# benchmarks/bench_quant_gpu.py).
 TILE_N = 4
-# Measurement switches (session 19's sweep): inputs a tile spans at most, and warps a program.
+# Measurement switches (benchmarks/bench_gemv.py's sweep): inputs a tile spans at most, and warps a program.
 MAX_BLOCK_K = 2048
 NUM_WARPS = 4
 
@@ -131,8 +131,8 @@ def _gemv_w8_kernel(
     """SILU_MUL: w is [gate | up] ([2N, K]); the program sums gate rows n and up rows N + n
     and writes silu(gate) * up ([M, N]). LANE_SUMS: keep per-thread partial sums across tiles
     and reduce across threads once, at the end (the module's LANE_SUMS says why). ADD_NORM and
-    RMS (one row): the two halves of the norm between GEMVs (kernels/triton_add_norm.py)."""
-    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/pdl.py)
+    RMS (one row): the two halves of the norm between GEMVs (kernels/linear/triton_add_norm.py)."""
+    if PDL and not SILU_MUL:  # the norm or rotary after it may launch (kernels/sync/pdl.py)
         gdc_launch_dependents()
     row = tl.program_id(0)
     w_idx, mask_w = weight_rows(tl.program_id(1), N, BLOCK_N, SILU_MUL)
@@ -140,7 +140,7 @@ def _gemv_w8_kernel(
     x_row = x_ptr + row * stride_xm + 0 * w_idx[:, None]  # [R, 1]: x in the weight tile's layout
     bits = _load_k(w_rows, 0, K, EVEN_K, BLOCK_K, "evict_first")  # [R, BK]
     if PDL:
-        gdc_wait()  # the first tile is in flight; x is the kernel before's output (kernels/pdl.py)
+        gdc_wait()  # the first tile is in flight; x is the kernel before's output (kernels/sync/pdl.py)
     residual = load_residual(residual_ptr, w_idx, mask_w, ADD_NORM)
     ss = load_sum_of_squares(ss_in_ptr, RMS)
     acc = _tile_sum(bits, x_row, 0, K, EVEN_K, BLOCK_K, FP8, INT8_PTX, LANE_SUMS)
@@ -169,7 +169,7 @@ def pick_blocks(n: int, k: int) -> tuple[int, int]:
 def gemv_w8_add_norm(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv_w8` of one row, then the first half of the norm after it (kernels/triton_add_norm.py):
+    """`gemv_w8` of one row, then the first half of the norm after it (kernels/linear/triton_add_norm.py):
     (hg, h)."""
     _, outputs = _gemv_w8(x, qweight, scale, bias, add_norm=add_norm)
     assert outputs is not None
@@ -193,7 +193,7 @@ def gemv_w8(
     silu_mul: the weight is [gate | up] and the result silu(gate) * up, [M, N / 2], as
     `silu_and_mul` of the plain result (the same roundings; the fp32 sums may be added in
     another order). rms: x is rms.hg (one row), whose norm this GEMV finishes
-    (kernels/triton_add_norm.py)."""
+    (kernels/linear/triton_add_norm.py)."""
     return _gemv_w8(x, qweight, scale, bias, block_n, block_k, num_warps, silu_mul, lane_sums, rms=rms)[0]
 
 

@@ -16,14 +16,13 @@ dispatch functions differ from them in two ways that save launches on CUDA:
 They take the batch's tokens grouped by slot when the caller knows them on the host
 (`groups`: an eager step): then each adapter costs a gather and two matmuls per part, on
 any device. Without groups (a CUDA graph, whose slots change at every replay) they run
-the Triton kernels (kernels/lora/triton_shrink_expand.py: blocks of consecutive tokens, a tensor-core
+the Triton kernels (kernels/lora/dispatch/triton_shrink_expand.py: blocks of consecutive tokens, a tensor-core
 dot per distinct slot of a block) on CUDA, and group on the spot on CPU.
 """
 
 from __future__ import annotations
 
 import torch
-
 
 # (slot, the indices of its tokens, or None: every token), one per adapter in the batch.
 SlotGroups = list[tuple[int, torch.Tensor | None]]

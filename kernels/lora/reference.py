@@ -1,5 +1,5 @@
 """The definitions of batched LoRA's shrink and expand (a per-token gather of each token's
-adapter), which the dispatch functions (kernels/lora/dispatch.py) are tested against."""
+adapter), which the dispatch functions (kernels/lora/dispatch/dispatch.py) are tested against."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton kernels for batched LoRA (semantics: `lora_*_reference` in kernels/lora.py).
+"""Triton kernels for batched LoRA (semantics: `lora_*_reference` in kernels/lora/dispatch.py).
 
 One program per (block of BLOCK_T consecutive tokens, block of output columns[, slice of
 K]). A prefill request's tokens are contiguous in the flattened batch, so a block's tokens

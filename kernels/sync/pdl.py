@@ -8,23 +8,25 @@ issues the loads that do not depend on that kernel (a GEMV's weights) and then b
 before lets it start early by calling `gdc_launch_dependents()`; without that call the
 dependent starts once every program of the one before has exited.
 
-Every kernel of the batch-1 decode chain is launched so. The GEMVs (kernels/triton_linear.py,
-kernels/triton_gemv.py; at 2..128 rows the INT4 kernels/triton_int4_mma.py) load their
-first weight tile before `gdc_wait()` (the INT4 GEMV of kernels/triton_int4_rows.py waits
-before its pipelined loop); the small kernels between them (fused add + RMS norm, rotary + KV write, the
-two decode-attention kernels, SiLU-and-mul) start with `dependent_start`: they let the next
-kernel launch, then wait. At batch 1 the norm between two GEMVs has no launch: the GEMV
-before adds into a sum that the GEMV after reads once its wait returns, and both read or
-write the residual only after their waits (kernels/triton_add_norm.py). The decode attention that rotates and caches the new token
-itself (kernels/triton_decode_attention.py) loads its first tile of cached K/V before its
-wait, as the GEMVs load weights. The bf16 and 1-byte GEMVs let theirs launch as they start too,
-except the gate_up GEMV with SiLU-and-mul fused, whose successor is the down GEMV: it lets
-down launch only once its own weight loop is done (at its start, down's early weight loads
-competed with gate_up's: int8 +30 us a step). The INT4 GEMV at 1-8 rows
-(kernels/triton_int4_mma_gemv.py) does the same for every projection: at its start it cost
-gptq 490 us a step (session 7), after its weight loop it saves 150 (session 16); the bf16
+Every kernel of the batch-1 decode chain is launched so. The GEMVs
+(kernels/linear/triton_gemv.py, kernels/linear/triton_w8_gemv.py; at 2..128 rows the INT4
+kernels/int4/triton_mma.py) load their first weight tile before `gdc_wait()` (the INT4 GEMV
+of kernels/int4/triton_rows.py waits before its pipelined loop); the small kernels between
+them (fused add + RMS norm, rotary + KV write, the two decode-attention kernels,
+SiLU-and-mul) start with `dependent_start`: they let the next kernel launch, then wait. At
+batch 1 the norm between two GEMVs has no launch: the GEMV before adds into a sum that the
+GEMV after reads once its wait returns, and both read or write the residual only after
+their waits (kernels/linear/triton_add_norm.py). The decode attention that rotates and
+caches the new token itself (kernels/attention/triton_decode.py) loads its first tile of
+cached K/V before its wait, as the GEMVs load weights. The bf16 and 1-byte GEMVs let theirs
+launch as they start too, except the gate_up GEMV with SiLU-and-mul fused, whose successor
+is the down GEMV: it lets down launch only once its own weight loop is done (at its start,
+down's early weight loads competed with gate_up's: int8 +30 us a step). The INT4 GEMV at
+1-8 rows (kernels/int4/triton_mma_gemv.py) does the same for every projection: triggering
+at its start cost gptq 490 us a batch-1 step, after its weight loop it saves 150; the bf16
 and 1-byte GEMVs are the other way round (after their loop: +0.13 ms a step for bf16 and
-fp8, session 18); the other INT4 kernels never let theirs launch early. So while a GEMV
+fp8; each measured by benchmarks/bench_quant_gpu.py on the H200, batch-1 decode of
+llama-3.1-8b); the other INT4 kernels never let theirs launch early. So while a GEMV
 streams, the norm or rotary after it is resident, waiting, and the GEMV after that is
 loading weights while the norm runs.
 

@@ -31,9 +31,9 @@ from tests.correctness.mixtral_checkpoint import prefill_logits
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.engine.engine_core import EngineCore
 from vllm_cluster.engine.quantization import get_method
-from vllm_cluster.engine.quantization.swap import quantize_model
 from vllm_cluster.engine.quantization.fp8 import Fp8Linear
 from vllm_cluster.engine.quantization.int8 import Int8Linear
+from vllm_cluster.engine.quantization.swap import quantize_model
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The dog",

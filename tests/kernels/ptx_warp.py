@@ -1,5 +1,5 @@
 """A warp of 32 lanes running the few PTX instructions of the INT4 MMA GEMV's inline
-assembly (kernels/int4_mma_ptx.py), in numpy, so that the assembly text itself (its
+assembly (kernels/int4/mma_ptx.py), in numpy, so that the assembly text itself (its
 operand numbers, register pairs and fragment positions) is checked on machines without a
 GPU. The MMA follows the PTX ISA's fragment layouts for mma.sync.m16n8k16 with 16-bit A
 and B and fp32 C/D, lane = 4 g + t:

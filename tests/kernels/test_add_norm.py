@@ -1,4 +1,4 @@
-"""The norm between two batch-1 GEMVs done by the GEMVs (kernels/triton_add_norm.py): the GEMV
+"""The norm between two batch-1 GEMVs done by the GEMVs (kernels/linear/triton_add_norm.py): the GEMV
 before stores h = y + residual and hg = h * weight and sums h^2 into a slot; the GEMV after
 takes hg as x and scales its sums by rsqrt(mean h^2 + eps).
 
@@ -22,9 +22,13 @@ from torch.nn import functional as F
 
 from vllm_cluster.engine.quantization.fp8 import quantize_fp8
 from vllm_cluster.engine.quantization.int8 import quantize_int8
-from vllm_cluster.kernels import reference, triton_linear
-from vllm_cluster.kernels.dispatch import AddNorm, Normed
-from vllm_cluster.kernels.triton_gemv import gemv_w8, gemv_w8_add_norm
+from vllm_cluster.kernels.elementwise import dispatch as elementwise_ops
+from vllm_cluster.kernels.elementwise import reference as elementwise_reference
+from vllm_cluster.kernels.linear import add_norm as add_norm_values
+from vllm_cluster.kernels.linear import dispatch as linear_ops
+from vllm_cluster.kernels.linear import triton_gemv
+from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.linear.triton_w8_gemv import gemv_w8, gemv_w8_add_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -67,7 +71,7 @@ def assert_relative(actual: torch.Tensor, expected: torch.Tensor, bound: float) 
 
 def normed_reference(normed: Normed, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The reference norm of h (what the GEMV after should see as x)."""
-    return reference.fused_add_rms_norm(h, None, weight, normed.eps)[0]
+    return elementwise_reference.fused_add_rms_norm(h, None, weight, normed.eps)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -77,7 +81,7 @@ def test_bf16_gemv_first_half(n: int, k: int, bias: bool, dtype: torch.dtype) ->
     w = randn(n, k, dtype=dtype, seed=4, scale=k**-0.5)
     b = randn(n, dtype=dtype, seed=5) if bias else None
     add_norm = add_norm_case(n, dtype)
-    assert_first_half(triton_linear.gemv(x, w, b), triton_linear.gemv_add_norm(x, w, b, add_norm), add_norm)
+    assert_first_half(triton_gemv.gemv(x, w, b), triton_gemv.gemv_add_norm(x, w, b, add_norm), add_norm)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -105,15 +109,15 @@ def test_two_gemvs_equal_the_norm_between_them(second: str, dtype: torch.dtype) 
     x = randn(1, k, dtype=dtype, seed=3)
     w = randn(n, k, dtype=dtype, seed=4, scale=k**-0.5)
     add_norm = add_norm_case(n, dtype)
-    hg, h = triton_linear.gemv_add_norm(x, w, None, add_norm)
-    normed = assert_first_half(triton_linear.gemv(x, w, None), (hg, h), add_norm)
+    hg, h = triton_gemv.gemv_add_norm(x, w, None, add_norm)
+    normed = assert_first_half(triton_gemv.gemv(x, w, None), (hg, h), add_norm)
     x2 = normed_reference(normed, h, add_norm.weight)
     silu = second.endswith("silu")
     if second.startswith("bf16"):
         w2 = randn(n2, n, dtype=dtype, seed=6, scale=n**-0.5)
         b2 = None if silu else randn(n2, dtype=dtype, seed=7)
-        fused = triton_linear.gemv(hg, w2, b2, silu_mul=silu, rms=normed)
-        expected = triton_linear.gemv(x2, w2, b2, silu_mul=silu)
+        fused = triton_gemv.gemv(hg, w2, b2, silu_mul=silu, rms=normed)
+        expected = triton_gemv.gemv(x2, w2, b2, silu_mul=silu)
     else:
         if dtype == torch.float32:
             pytest.skip("the 1-byte GEMV's x is 16-bit in decode")
@@ -128,7 +132,6 @@ def test_two_gemvs_equal_the_norm_between_them(second: str, dtype: torch.dtype) 
 
 
 def test_the_dispatch_finishes_a_normed_x_and_materializes_it_elsewhere() -> None:
-    from vllm_cluster.kernels import dispatch as kernels
 
     n, k = 24, 64
     dtype = torch.float16
@@ -137,14 +140,14 @@ def test_the_dispatch_finishes_a_normed_x_and_materializes_it_elsewhere() -> Non
     w = randn(n, k, dtype=dtype, seed=4, scale=k**-0.5)
     expected = F.linear(normed.materialize().float(), w.float())
     tol = TOLERANCES[dtype]
-    torch.testing.assert_close(kernels.linear(normed, w).float(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear_ops.linear(normed, w).float(), expected, rtol=tol, atol=tol)
 
 
 def test_add_norm_refuses_a_mismatched_residual() -> None:
     x = randn(1, 64, dtype=torch.float32, seed=3)
     w = randn(8, 64, dtype=torch.float32, seed=4)
     with pytest.raises(AssertionError):
-        triton_linear.gemv_add_norm(x, w, None, add_norm_case(16, torch.float32))
+        triton_gemv.gemv_add_norm(x, w, None, add_norm_case(16, torch.float32))
 
 
 # --- On a GPU: llama-3.1-8b's shapes (o_proj, down_proj: 1024-2048 programs add into the
@@ -160,13 +163,14 @@ def test_cuda_llama_8b_shapes(fmt: str, k: int) -> None:
     add_norm = add_norm_case(n, dtype)
     if fmt == "bf16":
         w = randn(n, k, dtype=dtype, seed=4, scale=k**-0.5)
-        normed = assert_first_half(triton_linear.gemv(x, w, None), triton_linear.gemv_add_norm(x, w, None, add_norm), add_norm)
+        first, first_half = triton_gemv.gemv(x, w, None), triton_gemv.gemv_add_norm(x, w, None, add_norm)
+        normed = assert_first_half(first, first_half, add_norm)
     else:
         q, scale = quantize_w8(fmt, n, k)
         normed = assert_first_half(gemv_w8(x, q, scale, None), gemv_w8_add_norm(x, q, scale, None, add_norm), add_norm)
     w2 = randn(2 * 14336, n, dtype=dtype, seed=6, scale=n**-0.5)  # gate_up after it
-    fused = triton_linear.gemv(normed.hg, w2, None, silu_mul=True, rms=normed)
-    expected = triton_linear.gemv(normed.materialize(), w2, None, silu_mul=True)
+    fused = triton_gemv.gemv(normed.hg, w2, None, silu_mul=True, rms=normed)
+    expected = triton_gemv.gemv(normed.materialize(), w2, None, silu_mul=True)
     assert_relative(fused, expected, 1e-2)
 
 
@@ -175,34 +179,36 @@ def test_cuda_llama_8b_shapes(fmt: str, k: int) -> None:
 @pytest.mark.parametrize(("k", "config"), [(4096, None), (14336, None), (1024, (1, 1, 3, 2))], ids=["o", "down", "split3"])
 def test_cuda_int4_mma_gemv(tiled: bool, k: int, config: tuple[int, ...] | None) -> None:
     from tests.kernels.test_int4_gemv import gptq_tensors
-    from vllm_cluster.kernels.int4_rows import gptq_to_pairs, pairs_to_tiles
-    from vllm_cluster.kernels.triton_int4_mma_gemv import (
+    from vllm_cluster.kernels.int4.layouts import gptq_to_pairs, pairs_to_tiles
+    from vllm_cluster.kernels.int4.triton_mma_gemv import (
         MmaGemvConfig,
         gemv_pairs_mma,
         gemv_pairs_mma_add_norm,
         pick_mma_gemv_config,
     )
+    from vllm_cluster.kernels.int4.weight import Int4Weight
 
     n = 4096 if config is None else 336  # 336: a ragged last program; split3: only a tile's last split stores
     t = gptq_tensors(k, n, 128, 1)
     t["scales"] = t["scales"].bfloat16()
-    weight = gptq_to_pairs(t["qweight"])
-    weight = pairs_to_tiles(weight) if tiled else weight
+    pairs = gptq_to_pairs(t["qweight"])
+    layout = "tiles" if tiled else "pairs"
+    weight = Int4Weight(pairs_to_tiles(pairs) if tiled else pairs, t["qzeros"], t["scales"], None, 128, layout, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=3)
     cfg = MmaGemvConfig(*config) if config else pick_mma_gemv_config(n, k, 132)
-    args = (x, weight, t["qzeros"], t["scales"], 128, 1, cfg)
     add_norm = add_norm_case(n, torch.bfloat16)
-    normed = assert_first_half(gemv_pairs_mma(*args, tiled=tiled), gemv_pairs_mma_add_norm(*args, tiled, add_norm), add_norm)
+    first, first_half = gemv_pairs_mma(x, weight, cfg), gemv_pairs_mma_add_norm(x, weight, cfg, add_norm)
+    normed = assert_first_half(first, first_half, add_norm)
     if n % 128:
         return  # the GEMV after takes whole blocks of 128 inputs
     # The INT4 GEMV after it (qkv, gate_up) finishing the norm.
     t2 = gptq_tensors(n, 2 * 1024, 128, 1)
     t2["scales"] = t2["scales"].bfloat16()
-    w2 = gptq_to_pairs(t2["qweight"])
-    w2 = pairs_to_tiles(w2) if tiled else w2
+    pairs2 = gptq_to_pairs(t2["qweight"])
+    w2 = Int4Weight(pairs_to_tiles(pairs2) if tiled else pairs2, t2["qzeros"], t2["scales"], None, 128, layout, 1)
     for silu in (False, True):
         cfg2 = pick_mma_gemv_config(2 * 1024, n, 132, silu_mul=silu)
-        args2 = (w2, t2["qzeros"], t2["scales"], 128, 1, cfg2, silu, tiled)
+        args2 = (w2, cfg2, silu)
         fused = gemv_pairs_mma(normed.hg, *args2, rms=normed)
         expected = gemv_pairs_mma(normed.materialize(), *args2)
         assert_relative(fused, expected, 1e-2)
@@ -219,8 +225,8 @@ def test_cuda_graph_replays_the_pair() -> None:
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         assert add_norm.slot is not None
         add_norm.slot.zero_()
-        hg, h = triton_linear.gemv_add_norm(x, w, None, add_norm)
-        return triton_linear.gemv(hg, w2, None, rms=add_norm.deferred(hg)), h
+        hg, h = triton_gemv.gemv_add_norm(x, w, None, add_norm)
+        return triton_gemv.gemv(hg, w2, None, rms=add_norm.deferred(hg)), h
 
     step()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -239,8 +245,7 @@ def test_cuda_graph_replays_the_pair() -> None:
 @pytest.mark.parametrize("method", ["bf16", "fp8", "int8"])
 def test_cuda_layers_take_it_and_the_switch_turns_it_off(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """engine/layers/norm.py's add_norm through each linear class, then the class's forward on
-    the Normed; with kernels.ADD_NORM_EPILOGUE off, the norm kernel's launch between."""
-    from vllm_cluster.kernels import dispatch as kernels
+    the Normed; with add_norm_values.ADD_NORM_EPILOGUE off, the norm kernel's launch between."""
     from vllm_cluster.engine.layers.linear import Linear
     from vllm_cluster.engine.layers.norm import RMSNorm, add_norm
     from vllm_cluster.engine.quantization.fp8 import Fp8Linear
@@ -259,12 +264,12 @@ def test_cuda_layers_take_it_and_the_switch_turns_it_off(method: str, monkeypatc
     norm.weight.data.copy_(add_norm_case(n, dtype).weight)
     x, residual = randn(1, k, dtype=dtype, seed=3), randn(1, n, dtype=dtype, seed=5)
     launches: list[str] = []
-    monkeypatch.setattr(kernels, "fused_add_rms_norm", _counting(kernels.fused_add_rms_norm, launches))
+    monkeypatch.setattr(add_norm_values, "fused_add_rms_norm", _counting(elementwise_ops.fused_add_rms_norm, launches))
     slot = torch.zeros(1, dtype=torch.float64, device="cuda")
     normed, h = add_norm(proj, x, residual, norm, slot)
     assert isinstance(normed, Normed) and launches == []
     fused = proj2(normed)
-    monkeypatch.setattr(kernels, "ADD_NORM_EPILOGUE", False)
+    monkeypatch.setattr(add_norm_values, "ADD_NORM_EPILOGUE", False)
     plain, h2 = add_norm(proj, x, residual, norm, torch.zeros(1, dtype=torch.float64, device="cuda"))
     assert isinstance(plain, torch.Tensor) and launches == ["norm"]
     assert torch.equal(h, h2)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_cluster.kernels import reference, triton_decode_attention
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE, quantize
-from vllm_cluster.kernels.triton_decode_attention import choose_num_splits, decode_attention
+from vllm_cluster.kernels.attention import reference as attention_reference
+from vllm_cluster.kernels.attention import triton_decode
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE, quantize
+from vllm_cluster.kernels.attention.triton_decode import choose_num_splits, decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -81,7 +82,7 @@ def check(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, num_sp
     out = decode_attention(
         q, kv_cache, block_tables, seq_lens_t, scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale
     )
-    expected = reference.decode_attention(q, kv_cache, block_tables, seq_lens_t, scale, k_scale, v_scale)
+    expected = attention_reference.decode_attention(q, kv_cache, block_tables, seq_lens_t, scale, k_scale, v_scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
@@ -144,7 +145,7 @@ def test_fp8_cache_stays_close_to_the_unquantized_one() -> None:
         q, to_fp8(kv_cache, k_scale, v_scale), block_tables, seq_lens, 64**-0.5, num_splits=2,
         k_scale=k_scale, v_scale=v_scale,
     )
-    exact = reference.decode_attention(q, kv_cache, block_tables, seq_lens, 64**-0.5)
+    exact = attention_reference.decode_attention(q, kv_cache, block_tables, seq_lens, 64**-0.5)
     error = float((out - exact).abs().max())
     bound = 1.25 * 2**-4 * float(kv_cache[:, 1].abs().max())
     assert 0 < error <= bound, (error, bound)
@@ -201,7 +202,7 @@ def test_cuda_graph_replay_with_new_lengths() -> None:
         out = run()
     seq_lens.copy_(torch.tensor([512, 0, 77, 1], dtype=torch.int32))
     graph.replay()
-    expected = reference.decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+    expected = attention_reference.decode_attention(q, kv_cache, block_tables, seq_lens, scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
 
 
@@ -224,19 +225,19 @@ def test_cuda_graph_reads_fp8_scales_from_device_memory() -> None:
     k_scale.mul_(2.0)
     v_scale.mul_(0.5)
     graph.replay()
-    expected = reference.decode_attention(q, fp8_cache, block_tables, seq_lens, 128**-0.5, k_scale, v_scale)
+    expected = attention_reference.decode_attention(q, fp8_cache, block_tables, seq_lens, 128**-0.5, k_scale, v_scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
 
 
 def test_every_partial_read_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """The split partials start as NaN: every split, an empty one too, must write the partial
     the combine reads. (Skipping the empty splits instead, the combine reading only those
-    holding tokens, was measured neutral to slower on the H200: docs/benchmarks.md, session 23.)"""
+    holding tokens, was measured neutral to slower on the H200 by benchmarks/bench_decode_attention.py.)"""
 
     def poisoned(q: torch.Tensor, num_splits: int, head_dim_pad: int) -> tuple[torch.Tensor, ...]:
         return tuple(t.fill_(float("nan")) for t in new_partials(q, num_splits, head_dim_pad))
 
-    new_partials = triton_decode_attention._new_partials
-    monkeypatch.setattr(triton_decode_attention, "_new_partials", poisoned)
+    new_partials = triton_decode._new_partials
+    monkeypatch.setattr(triton_decode, "_new_partials", poisoned)
     # 8 splits of whole 64-token tiles: 70 tokens fill two, 37 and 1 one, 0 none
     check([37, 0, 1, 70], 8, 2, 32, 16, torch.float32, num_splits=8)

@@ -1,4 +1,4 @@
-"""The decode GEMVs (kernels/triton_gemv.py: int8 / fp8 weights; kernels/triton_int4_gemv.py:
+"""The decode GEMVs (kernels/linear/triton_w8_gemv.py: int8 / fp8 weights; kernels/int4/triton_gemv.py:
 GPTQ / AWQ) against their torch definitions, and the dispatch that picks them.
 
 Without a GPU the kernels run under the Triton interpreter on tiny shapes in fp32 and fp16;
@@ -14,9 +14,16 @@ import torch
 from vllm_cluster.engine.quantization.fp8 import quantize_fp8
 from vllm_cluster.engine.quantization.int4_pack import pack_awq, pack_gptq, quantize_rtn
 from vllm_cluster.engine.quantization.int8 import quantize_int8
-from vllm_cluster.kernels import int4_reference, quant_ops, semaphores, triton_int4_gemm
-from vllm_cluster.kernels.triton_gemv import gemv_w8
-from vllm_cluster.kernels.triton_int4_gemv import Int4GemvConfig, gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.elementwise import triton_ops
+from vllm_cluster.kernels.int4 import reference as int4_reference
+from vllm_cluster.kernels.int4 import triton_gemm
+from vllm_cluster.kernels.int4.triton_gemv import Int4GemvConfig, gemv_int4, pick_gemv_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear import dispatch as linear_ops
+from vllm_cluster.kernels.linear import reference as linear_reference
+from vllm_cluster.kernels.linear.reference import FP8_WEIGHT_ONLY_MAX_ROWS
+from vllm_cluster.kernels.linear.triton_w8_gemv import gemv_w8
+from vllm_cluster.kernels.sync import semaphores
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -55,19 +62,18 @@ def test_gemv_w8_matches_reference(fmt: str, dtype: torch.dtype, m: int, n: int,
     bias = randn(n, dtype=dtype, seed=2)
     # block_k 32: several K tiles and a ragged last one; block_n 8: a ragged last N block.
     actual = gemv_w8(x, q, scale, bias, block_n=8, block_k=32, lane_sums=lane_sums)
-    assert_close(actual, quant_ops.int8_linear_reference(x, q, scale, bias), dtype)
+    assert_close(actual, linear_reference.int8_linear_reference(x, q, scale, bias), dtype)
 
 
 def test_gemv_w8_lane_sums_with_silu_mul_and_a_short_k() -> None:
     """Per-thread partial sums with the SiLU epilogue, and a K under 16 (one tile of 8: the
     wrapper keeps row sums there)."""
-    from vllm_cluster.kernels import triton_ops
 
     for n, k in [(24, 200), (12, 8)]:
         q, scale = quantize_w8("fp8", n, k)
         x = randn(1, k, seed=7)
         fused = gemv_w8(x, q, scale, None, silu_mul=True, lane_sums=True)
-        expected = triton_ops.silu_and_mul(quant_ops.int8_linear_reference(x, q, scale, None))
+        expected = triton_ops.silu_and_mul(linear_reference.int8_linear_reference(x, q, scale, None))
         assert_close(fused, expected, torch.float32)
 
 
@@ -80,7 +86,6 @@ def test_gemv_w8_silu_mul_equals_silu_and_mul_of_the_gemv(
     """gate_up_proj at batch 1: one launch, the GEMV followed by the Triton silu_and_mul
     kernel (halves rounded to x's dtype, silu rounded, then the product); equal under the
     interpreter, compiled the fp32 sums may be added in another order."""
-    from vllm_cluster.kernels import triton_ops
 
     q, scale = quantize_w8(fmt, n, k)
     x, bias = randn(1, k, dtype=dtype, seed=5), randn(n, dtype=dtype, seed=6)
@@ -91,15 +96,15 @@ def test_gemv_w8_silu_mul_equals_silu_and_mul_of_the_gemv(
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_w8_linear_silu_mul_dispatch_equals_two_calls(fmt: str) -> None:
-    from vllm_cluster.kernels.dispatch import silu_and_mul
+    from vllm_cluster.kernels.elementwise.dispatch import silu_and_mul
 
     q, scale = quantize_w8(fmt, 32, 64)  # 20 rows take torch._scaled_mm on a GPU: N, K multiples of 16
-    linear = quant_ops.int8_linear if fmt == "int8" else quant_ops.fp8_linear
+    linear = linear_ops.int8_linear if fmt == "int8" else linear_ops.fp8_linear
     scale = scale if fmt == "int8" else scale[None, :]
     for rows in (1, 3, 20):
         x = randn(rows, 64, seed=rows)
         expected = silu_and_mul(linear(x, q, scale, None))
-        assert_close(quant_ops.w8_linear_silu_mul(linear, x, q, scale, None), expected, torch.float32)
+        assert_close(linear_ops.w8_linear_silu_mul(linear, x, q, scale, None), expected, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -111,14 +116,14 @@ def test_gemv_w8_blocks(fmt: str, blocks: tuple[int | None, int | None], k: int)
     x = randn(2, k, dtype=torch.float16, seed=4)
     bias = randn(21, dtype=torch.float16, seed=5)
     actual = gemv_w8(x, q, scale, bias, *blocks)
-    assert_close(actual, quant_ops.int8_linear_reference(x, q, scale, bias), torch.float16)
+    assert_close(actual, linear_reference.int8_linear_reference(x, q, scale, bias), torch.float16)
 
 
 def test_gemv_w8_fp8_takes_the_rowwise_scale_layout() -> None:
     """Fp8Linear keeps its scale as [1, N] (the layout torch._scaled_mm takes)."""
     q, scale = quantize_w8("fp8", 24, 64)
     x = randn(1, 64, seed=3)
-    expected = quant_ops.fp8_weight_only_reference(x, q, scale, None)
+    expected = linear_reference.fp8_weight_only_reference(x, q, scale, None)
     assert_close(gemv_w8(x, q, scale[None, :].contiguous(), None), expected, torch.float32)
 
 
@@ -168,9 +173,9 @@ def check_int4(
     t = packed_int4(method, k, n, group_size, zero_offset)
     x = randn(m, k, dtype=dtype, seed=m)
     bias = randn(n, dtype=dtype, seed=4)
-    group = k if group_size == -1 else group_size
-    actual = gemv_int4(x, t["qweight"], t["qzeros"], t["scales"], bias, group, method, zero_offset, config)
-    expected = int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, group_size, method, zero_offset)
+    weight = Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, group_size, method, zero_offset)
+    actual = gemv_int4(x, weight, bias, config)
+    expected = int4_reference.int4_gemm(x, weight)
     assert_close(actual, (expected.float() + bias.float()).to(dtype), dtype)
 
 
@@ -202,7 +207,7 @@ def test_one_group_with_a_ragged_k_tail() -> None:
 def test_semaphores_are_zero_after_a_launch_and_a_rerun_agrees() -> None:
     t = packed_int4("gptq", 128, 32, 32, 1)
     x = randn(2, 128, seed=5)
-    args = (x, t["qweight"], t["qzeros"], t["scales"], None, 32, "gptq", 1, Int4GemvConfig(16, 32, 4))
+    args = (x, Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, 32, "gptq", 1), None, Int4GemvConfig(16, 32, 4))
     first = gemv_int4(*args)
     assert int(semaphores.SETS["int4_gemv", x.device].count_nonzero()) == 0
     assert torch.equal(gemv_int4(*args), first)
@@ -226,34 +231,34 @@ def test_int4_gemm_takes_the_split_k_gemv_up_to_its_rows(monkeypatch: pytest.Mon
         calls.append(x.shape[0])
         return gemv_int4(x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(triton_int4_gemm, "gemv_int4", spy)
+    monkeypatch.setattr(triton_gemm, "gemv_int4", spy)
     t = packed_int4("awq", 64, 16, 32, 0)
-    rows = triton_int4_gemm.SPLIT_K_GEMV_MAX_ROWS
+    rows = triton_gemm.SPLIT_K_GEMV_MAX_ROWS
     for m in (1, rows, rows + 1):
         x = randn(m, 64, seed=6)
-        args = (t["qweight"], t["qzeros"], t["scales"], None, 32, "awq", 0)
-        assert_close(triton_int4_gemm.int4_gemm(x, *args), int4_reference.int4_gemm(x, *args), torch.float32)
+        weight = Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, 32, "awq", 0)
+        assert_close(triton_gemm.int4_gemm(x, weight), int4_reference.int4_gemm(x, weight), torch.float32)
     assert calls == [1, rows]
     # Act-order gathers scales per input: the existing kernel keeps it.
     g = packed_int4("gptq", 64, 16, 32, 1)
     g_idx = torch.arange(64, device=DEVICE, dtype=torch.int32).flip(0) // 32
-    triton_int4_gemm.int4_gemm(randn(1, 64), g["qweight"], g["qzeros"], g["scales"], g_idx, 32, "gptq", 1)
+    triton_gemm.int4_gemm(randn(1, 64), Int4Weight(g["qweight"], g["qzeros"], g["scales"], g_idx, 32, "gptq", 1))
     assert calls == [1, rows]
 
 
 @pytest.mark.parametrize(
     ("m", "weight_only"),
-    [(1, True), (quant_ops.FP8_WEIGHT_ONLY_MAX_ROWS, True), (quant_ops.FP8_WEIGHT_ONLY_MAX_ROWS + 1, False)],
+    [(1, True), (FP8_WEIGHT_ONLY_MAX_ROWS, True), (FP8_WEIGHT_ONLY_MAX_ROWS + 1, False)],
 )
 def test_fp8_linear_is_weight_only_up_to_its_rows(m: int, weight_only: bool) -> None:
     """Decode sizes keep x unquantized (w8a16); larger batches quantize it (W8A8). On CPU,
     which takes the same branch as CUDA."""
     q, scale = (t.cpu() for t in quantize_w8("fp8", 24, 64))
     x = randn(m, 64, seed=7).cpu()
-    w8a16 = quant_ops.fp8_weight_only_reference(x, q, scale, None)
-    w8a8 = quant_ops.fp8_w8a8_reference(x, q, scale, None)
+    w8a16 = linear_reference.fp8_weight_only_reference(x, q, scale, None)
+    w8a8 = linear_reference.fp8_w8a8_reference(x, q, scale, None)
     expected, other = (w8a16, w8a8) if weight_only else (w8a8, w8a16)
-    actual = quant_ops.fp8_linear(x, q, scale[None, :], None)
+    actual = linear_ops.fp8_linear(x, q, scale[None, :], None)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(actual, other, atol=1e-3, rtol=1e-3)
 
@@ -270,10 +275,10 @@ def test_cuda_w8_linear_llama_8b_shapes(fmt: str, m: int, k: int, n: int) -> Non
     q, scale = quantize_w8(fmt, n, k)
     x = randn(m, k, dtype=torch.bfloat16, seed=8)
     if fmt == "int8":
-        actual = quant_ops.int8_linear(x, q, scale, None)
+        actual = linear_ops.int8_linear(x, q, scale, None)
     else:
-        actual = quant_ops.fp8_linear(x, q, scale[None, :].contiguous(), None)
-    assert_close(actual, quant_ops.int8_linear_reference(x, q, scale, None), torch.bfloat16)
+        actual = linear_ops.fp8_linear(x, q, scale[None, :].contiguous(), None)
+    assert_close(actual, linear_reference.int8_linear_reference(x, q, scale, None), torch.bfloat16)
 
 
 @cuda_only
@@ -290,13 +295,13 @@ def test_cuda_int4_gemv_llama_8b_shapes(method: str, m: int, k: int, n: int) -> 
 def test_cuda_graph_replays_the_split_k_semaphores() -> None:
     t = packed_int4("gptq", 4096, 4096, 128, 1)
     x = randn(1, 4096, dtype=torch.bfloat16, seed=9)
-    args = (t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
-    expected = triton_int4_gemm.int4_gemm(x, *args)  # also compiles outside the capture
+    weight = Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
+    expected = triton_gemm.int4_gemm(x, weight)  # also compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = triton_int4_gemm.int4_gemm(x, *args)
+        y = triton_gemm.int4_gemm(x, weight)
     for seed in (10, 11):
         x.copy_(randn(1, 4096, dtype=torch.bfloat16, seed=seed))
         graph.replay()
-        torch.testing.assert_close(y, triton_int4_gemm.int4_gemm(x, *args), atol=0, rtol=0)
-    assert torch.equal(triton_int4_gemm.int4_gemm(x.copy_(randn(1, 4096, dtype=torch.bfloat16, seed=9)), *args), expected)
+        torch.testing.assert_close(y, triton_gemm.int4_gemm(x, weight), atol=0, rtol=0)
+    assert torch.equal(triton_gemm.int4_gemm(x.copy_(randn(1, 4096, dtype=torch.bfloat16, seed=9)), weight), expected)

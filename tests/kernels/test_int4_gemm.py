@@ -1,5 +1,5 @@
-"""The Triton INT4 dequantize-GEMM (kernels/triton_int4_gemm.py) against its torch
-reference (kernels/int4_reference.py), for GPTQ (consecutive groups, act-order g_idx, one
+"""The Triton INT4 dequantize-GEMM (kernels/int4/triton_gemm.py) against its torch
+reference (kernels/int4/reference.py), for GPTQ (consecutive groups, act-order g_idx, one
 group, v1 and v2 zeros) and AWQ, through the decode (split-K) and prefill configs.
 
 Without a GPU: the Triton interpreter, tiny shapes, fp32 and fp16. With one: Llama-8B
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from vllm_cluster.engine.quantization.int4_pack import act_order_g_idx, pack_awq, pack_gptq, quantize_rtn
-from vllm_cluster.kernels import int4_reference
-from vllm_cluster.kernels.triton_int4_gemm import DEQUANT_MIN_ROWS, Int4GemmConfig, int4_gemm, pick_config
+from vllm_cluster.kernels.int4 import reference as int4_reference
+from vllm_cluster.kernels.int4.triton_gemm import DEQUANT_MIN_ROWS, Int4GemmConfig, int4_gemm, pick_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -54,8 +55,8 @@ def check(
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     g_idx = t["g_idx"] if act_order else None
     args = (t["qweight"], t["qzeros"], t["scales"], g_idx, group_size, method, offset)
-    actual = int4_gemm(x, *args, config=config)
-    expected = int4_reference.int4_gemm(x, *args)
+    actual = int4_gemm(x, Int4Weight(*args), config=config)
+    expected = int4_reference.int4_gemm(x, Int4Weight(*args))
     assert actual.dtype == dtype and actual.shape == (m, n)
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)

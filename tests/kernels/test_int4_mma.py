@@ -1,5 +1,5 @@
-"""The pairs and tiles INT4 layouts (kernels/int4_rows.py) and their tensor-core kernel
-(kernels/triton_int4_mma.py) against the GPTQ reference (kernels/int4_reference.py).
+"""The pairs and tiles INT4 layouts (kernels/int4/layouts.py) and their tensor-core kernel
+(kernels/int4/triton_mma.py) against the GPTQ reference (kernels/int4/reference.py).
 
 Without a GPU: the Triton interpreter (the plain-op weight conversion), tiny shapes.
 With one: the PTX conversion at Llama-8B shapes, and a CUDA graph replay.
@@ -26,9 +26,10 @@ from tests.kernels.test_int4_gemv import (
     randn,
     reference,
 )
-from vllm_cluster.kernels import dispatch as kernels
-from vllm_cluster.kernels import int4_reference
-from vllm_cluster.kernels.int4_rows import (
+from vllm_cluster.kernels.int4 import dispatch as int4_ops
+from vllm_cluster.kernels.int4 import reference as int4_reference
+from vllm_cluster.kernels.int4 import triton_mma
+from vllm_cluster.kernels.int4.layouts import (
     gptq_to_pairs,
     pairs_layout_fits,
     pairs_to_tiles,
@@ -36,13 +37,19 @@ from vllm_cluster.kernels.int4_rows import (
     tiles_to_pairs,
     unpack_pairs_layout,
 )
-from vllm_cluster.kernels.triton_int4_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
-from vllm_cluster.kernels.triton_int4_rows import RowsGemvConfig, gemv_rows
+from vllm_cluster.kernels.int4.triton_mma import MmaConfig, dequantize_pairs, int4_mma, pick_mma_config
+from vllm_cluster.kernels.int4.triton_rows import RowsGemvConfig, gemv_rows
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
 # x and the weights 128 + q are bf16 (exact), products and sums fp32: the result rounds once
 # to x's dtype; bf16's 8 bits give a relative error up to 2^-8 per output.
 TOLERANCE = 1e-2
 
+
+
+def gptq_weight(t: dict[str, torch.Tensor]) -> Int4Weight:
+    """GPTQ's own layout of gptq_tensors' weight, groups of 128, zero offset 1 (v1)."""
+    return Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
 
 def test_pairs_repack_is_exact_and_places_each_input() -> None:
     k, n = 256, 24
@@ -68,8 +75,9 @@ def test_tiles_hold_each_lanes_words_in_one_piece() -> None:
         lane = tiles[r, b, 8 * (4 * g + lane_t) : 8 * (4 * g + lane_t) + 8]
         words = slice(16 * b + 4 * lane_t, 16 * b + 4 * lane_t + 4)
         assert torch.equal(lane, torch.cat([pairs[16 * r + g, words], pairs[16 * r + g + 8, words]]))
-    dequantized = int4_reference.dequantize(tiles, t["qzeros"], t["scales"], None, 128, "tiles", 1)
-    assert torch.equal(dequantized, int4_reference.dequantize(t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1))
+    dequantized = int4_reference.dequantize(Int4Weight(tiles, t["qzeros"], t["scales"], None, 128, "tiles", 1))
+    gptq = gptq_weight(t)
+    assert torch.equal(dequantized, int4_reference.dequantize(gptq))
 
 
 def test_tiles_layout_fits() -> None:
@@ -96,8 +104,9 @@ def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int, 
     t = gptq_tensors(k, n, group_size, zero_offset)
     x = randn(m, k, dtype=torch.bfloat16, seed=2)
     bias = randn(n, dtype=torch.bfloat16, seed=3)
-    weight = pairs_to_tiles(gptq_to_pairs(t["qweight"])) if tiled else gptq_to_pairs(t["qweight"])
-    actual = int4_mma(x, weight, t["qzeros"], t["scales"], bias, group_size, zero_offset, config, tiled)
+    qweight = pairs_to_tiles(gptq_to_pairs(t["qweight"])) if tiled else gptq_to_pairs(t["qweight"])
+    weight = Int4Weight(qweight, t["qzeros"], t["scales"], None, group_size, "tiles" if tiled else "pairs", zero_offset)
+    actual = int4_mma(x, weight, bias, config)
     expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(torch.bfloat16)
     assert actual.dtype == torch.bfloat16 and actual.shape == (m, n)
     torch.testing.assert_close(actual, expected, atol=TOLERANCE, rtol=TOLERANCE)
@@ -107,14 +116,15 @@ def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int, 
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["split1", "split3", "unroll2"])
 @pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (256, 1)], ids=["g32", "g128", "g256"])
 def test_gemv_rows_on_the_pairs_layout(config: RowsGemvConfig, group_size: int, zero_offset: int, dtype: torch.dtype) -> None:
-    # The CUDA-core batch-1 GEMV (kernels/triton_int4_rows.py) reading the pairs layout; a
+    # The CUDA-core batch-1 GEMV (kernels/int4/triton_rows.py) reading the pairs layout; a
     # 16-bit x is read as 32-bit pairs, fp32 x element by element.
     k, n = 512, 40
     t = gptq_tensors(k, n, group_size, zero_offset)
     x = randn(1, k, dtype=dtype, seed=2)
     bias = randn(n, dtype=dtype, seed=3)
     pairs = gptq_to_pairs(t["qweight"])
-    actual = gemv_rows(x, pairs, t["qzeros"], t["scales"], bias, group_size, zero_offset, config, pairs=True)
+    weight = Int4Weight(pairs, t["qzeros"], t["scales"], None, group_size, "pairs", zero_offset)
+    actual = gemv_rows(x, weight, bias, config)
     expected = (reference(x, t, group_size, zero_offset).float() + bias.float()).to(dtype)
     tol = GEMV_TOLERANCES[dtype]
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
@@ -125,7 +135,8 @@ def test_int4_mma_rows_of_x_past_one_tile() -> None:
     k, n = 256, 16
     t = gptq_tensors(k, n, 128, 1)
     x = randn(20, k, dtype=torch.bfloat16, seed=5)
-    actual = int4_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, 1, CONFIGS[1])
+    weight = Int4Weight(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    actual = int4_mma(x, weight, None, CONFIGS[1])
     torch.testing.assert_close(actual, reference(x, t, 128, 1), atol=TOLERANCE, rtol=TOLERANCE)
 
 
@@ -140,8 +151,9 @@ def test_pairs_layout_fits() -> None:
 def test_dequantize_pairs(group_size: int, tiled: bool) -> None:
     t = gptq_tensors(512, 48, group_size, 1)
     pairs = gptq_to_pairs(t["qweight"])
-    weight = dequantize_pairs(pairs_to_tiles(pairs) if tiled else pairs, t["qzeros"], t["scales"], group_size, 1, torch.float32)
-    expected = int4_reference.dequantize(t["qweight"], t["qzeros"], t["scales"], None, group_size, "gptq", 1)
+    qweight, layout = (pairs_to_tiles(pairs), "tiles") if tiled else (pairs, "pairs")
+    weight = dequantize_pairs(Int4Weight(qweight, t["qzeros"], t["scales"], None, group_size, layout, 1), torch.float32)
+    expected = int4_reference.dequantize(dataclasses.replace(gptq_weight(t), group_size=group_size))
     torch.testing.assert_close(weight, expected, atol=0, rtol=0)
 
 
@@ -150,10 +162,11 @@ def test_dispatch_on_cpu_is_the_reference(layout: str) -> None:
     k, n = 256, 32
     t = {name: tensor.cpu() for name, tensor in gptq_tensors(k, n, 128, 1).items()}
     x = torch.randn(3, k)
-    weight = gptq_to_pairs(t["qweight"])
-    weight = pairs_to_tiles(weight) if layout == "tiles" else weight
-    actual = kernels.int4_gemm(x, weight, t["qzeros"], t["scales"], None, 128, layout, 1)
-    expected = int4_reference.int4_gemm(x, t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
+    pairs = gptq_to_pairs(t["qweight"])
+    qweight = pairs_to_tiles(pairs) if layout == "tiles" else pairs
+    weight = dataclasses.replace(gptq_weight(t), qweight=qweight, layout=layout)
+    actual = int4_ops.int4_gemm(x, weight)
+    expected = int4_reference.int4_gemm(x, gptq_weight(t))
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -166,10 +179,11 @@ def test_int4_mma_llama_shapes(k: int, n: int, m: int, dtype: torch.dtype, layou
     # Through the dispatch: the MMA GEMV up to 8 rows, tl.dot up to 128, then cuBLAS on the dequantized weight.
     t = gptq_tensors(k, n, 128, 1)
     x = randn(m, k, dtype=dtype, seed=6)
-    weight = gptq_to_pairs(t["qweight"])
-    weight = pairs_to_tiles(weight) if layout == "tiles" else weight
-    actual = kernels.int4_gemm(x, weight, t["qzeros"], t["scales"], None, 128, layout, 1).float()
-    expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
+    pairs = gptq_to_pairs(t["qweight"])
+    qweight = pairs_to_tiles(pairs) if layout == "tiles" else pairs
+    weight = dataclasses.replace(gptq_weight(t), qweight=qweight, layout=layout)
+    actual = int4_ops.int4_gemm(x, weight).float()
+    expected = int4_reference.int4_gemm(x.float(), gptq_weight(t))
     assert float((actual - expected).norm() / expected.norm()) < 4e-3
 
 
@@ -183,17 +197,17 @@ def test_int4_mma_other_configs_on_gpu(config: MmaConfig | None, layout: str) ->
     k, n = 4096, 4096
     t = gptq_tensors(k, n, 128, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=8)
-    weight = gptq_to_pairs(t["qweight"])
-    weight = pairs_to_tiles(weight) if layout == "tiles" else weight
+    pairs = gptq_to_pairs(t["qweight"])
+    qweight = pairs_to_tiles(pairs) if layout == "tiles" else pairs
+    weight = dataclasses.replace(gptq_weight(t), qweight=qweight, layout=layout)
     if config is None:
-        from vllm_cluster.kernels import triton_int4_mma
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(triton_int4_mma, "ONE_ROW_ON_TL_DOT", True)
-            actual = kernels.int4_gemm(x, weight, t["qzeros"], t["scales"], None, 128, layout, 1).float()
+            patch.setattr(triton_mma, "ONE_ROW_ON_TL_DOT", True)
+            actual = int4_ops.int4_gemm(x, weight).float()
     else:
-        actual = int4_mma(x, weight, t["qzeros"], t["scales"], None, 128, 1, config, layout == "tiles").float()
-    expected = int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, 128, "gptq", 1)
+        actual = int4_mma(x, weight, None, config).float()
+    expected = int4_reference.int4_gemm(x.float(), gptq_weight(t))
     assert float((actual - expected).norm() / expected.norm()) < 4e-3
 
 
@@ -204,10 +218,11 @@ def test_int4_mma_graph_replay_resets_semaphores() -> None:
     pairs = gptq_to_pairs(t["qweight"])
     x = randn(1, k, dtype=torch.bfloat16, seed=7)
     config = dataclasses.replace(pick_mma_config(1, n, k, 132), split_k=8)
-    eager = int4_mma(x, pairs, t["qzeros"], t["scales"], None, 128, 1, config)
+    weight = Int4Weight(pairs, t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    eager = int4_mma(x, weight, None, config)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = int4_mma(x, pairs, t["qzeros"], t["scales"], None, 128, 1, config)
+        out = int4_mma(x, weight, None, config)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -221,7 +236,7 @@ def test_int4_mma_graph_replay_resets_semaphores() -> None:
 _COMPILE = """
 import json, sys
 from benchmarks.kernel_sass import main_loop, sass
-from vllm_cluster.kernels import triton_int4_mma
+from vllm_cluster.kernels.int4 import triton_mma
 fp16 = sys.argv[1] == "1"
 signature = {
     "x_ptr": "*fp16" if fp16 else "*bf16", "halves_ptr": "*i16", "qzeros_ptr": "*i32", "scales_ptr": "*bf16",
@@ -233,7 +248,7 @@ constexprs = dict(
     ZERO_OFFSET=1, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, GROUP_P=4, NUM_STAGES=3, PTX=True, FP16=fp16, PDL=True,
     EARLY=True,
 )
-print(json.dumps(main_loop(sass(triton_int4_mma._pairs_mma_kernel, signature, constexprs, num_warps=2))))
+print(json.dumps(main_loop(sass(triton_mma._pairs_mma_kernel, signature, constexprs, num_warps=2))))
 """
 
 

@@ -1,4 +1,4 @@
-"""The one-row INT4 GEMV on warp-level MMAs (kernels/triton_int4_mma_gemv.py).
+"""The one-row INT4 GEMV on warp-level MMAs (kernels/int4/triton_mma_gemv.py).
 
 Its PTX mixes lanes (an MMA), so it is right only where Triton places element i of its
 operands in lane i % 32: without a GPU, the kernel is compiled for sm_90 (Triton's wheel
@@ -12,6 +12,7 @@ values against the GPTQ reference over dtypes, groups, zero offsets, configs, ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -24,17 +25,20 @@ import torch
 
 from tests.kernels import ptx_warp
 from tests.kernels.test_int4_gemv import gptq_tensors, randn
-from vllm_cluster.kernels import dispatch as kernels
-from vllm_cluster.kernels import int4_reference, triton_int4_mma
-from vllm_cluster.kernels.int4_mma_ptx import ASM
-from vllm_cluster.kernels.int4_rows import gptq_to_pairs, pairs_to_tiles, unpack_pairs_layout
-from vllm_cluster.kernels.triton_int4_mma_gemv import (
+from vllm_cluster.kernels.elementwise import dispatch as elementwise_ops
+from vllm_cluster.kernels.int4 import dispatch as int4_ops
+from vllm_cluster.kernels.int4 import reference as int4_reference
+from vllm_cluster.kernels.int4 import triton_mma
+from vllm_cluster.kernels.int4.layouts import gptq_to_pairs, pairs_to_tiles, unpack_pairs_layout
+from vllm_cluster.kernels.int4.mma_ptx import ASM
+from vllm_cluster.kernels.int4.triton_mma_gemv import (
     MmaGemvConfig,
     gemv_pairs_mma,
     pick_mma_gemv_config,
     supported,
 )
-from vllm_cluster.kernels.triton_int4_rows import gemv_rows, pick_rows_config
+from vllm_cluster.kernels.int4.triton_rows import gemv_rows, pick_rows_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,7 +47,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from benchmarks.kernel_sass import main_loop
-from vllm_cluster.kernels import int4_mma_ptx, triton_int4_mma_gemv as m
+from vllm_cluster.kernels.int4 import mma_ptx, triton_mma_gemv as m
 tiles, unroll, warps, fp16, silu, multi, tiled, k_warps = (int(a) for a in sys.argv[1:9])
 dtype = "*fp16" if fp16 else "*bf16"
 signature = {
@@ -54,7 +58,7 @@ signature = {
 }
 constexprs = dict(
     GROUP_BLOCKS=1, ZERO_OFFSET=1, TILES=tiles, UNROLL=unroll, WARPS=warps, PDL=True, FP16=bool(fp16), SILU_MUL=bool(silu),
-    MULTI=bool(multi), ASM=int4_mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=int4_mma_ptx.CONSTRAINTS[bool(multi)],
+    MULTI=bool(multi), ASM=mma_ptx.ASM[bool(fp16), bool(multi)], CONSTRAINTS=mma_ptx.CONSTRAINTS[bool(multi)],
     TILED=bool(tiled), LATE_TRIGGER=True, K_WARPS=k_warps,
 )
 names = list(signature) + list(constexprs)
@@ -151,7 +155,8 @@ def test_pick_splits_k_over_a_tiles_warps_then_over_programs() -> None:
 
 
 def reference(x: torch.Tensor, t: dict[str, torch.Tensor], group_size: int, zero_offset: int) -> torch.Tensor:
-    return int4_reference.int4_gemm(x.float(), t["qweight"], t["qzeros"], t["scales"], None, group_size, "gptq", zero_offset)
+    weight = Int4Weight(t["qweight"], t["qzeros"], t["scales"], None, group_size, "gptq", zero_offset)
+    return int4_reference.int4_gemm(x.float(), weight)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -181,9 +186,9 @@ def test_cuda_against_the_reference(
     t = gptq_tensors(k, n, group_size, zero_offset)
     t["scales"] = t["scales"].to(dtype)
     x = randn(1, k, dtype=dtype, seed=3)
-    group = k if group_size == -1 else group_size
     config = config or pick_mma_gemv_config(n, k, 132)
-    y = gemv_pairs_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], group, zero_offset, config)
+    weight = Int4Weight(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, group_size, "pairs", zero_offset)
+    y = gemv_pairs_mma(x, weight, config)
     assert y.shape == (1, n) and y.dtype == dtype
     assert relative_error(y, reference(x, t, group_size, zero_offset)) < BOUNDS[dtype]
 
@@ -195,8 +200,9 @@ def test_cuda_llama_8b_shapes_halve_the_x2_error(k: int, n: int) -> None:
     t["scales"] = t["scales"].bfloat16()
     x = randn(1, k, dtype=torch.bfloat16, seed=5)
     pairs = gptq_to_pairs(t["qweight"])
-    y = gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, pick_mma_gemv_config(n, k, 132))
-    x2 = gemv_rows(x, pairs, t["qzeros"], t["scales"], None, 128, 1, pick_rows_config(n, k, 132, packed=True), True)
+    weight = Int4Weight(pairs, t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    y = gemv_pairs_mma(x, weight, pick_mma_gemv_config(n, k, 132))
+    x2 = gemv_rows(x, weight, None, pick_rows_config(n, k, 132, packed=True))
     expected = reference(x, t, 128, 1)
     # Only the output rounds here; the x2 GEMV rounds products and four-term sums to bf16 too.
     assert relative_error(y, expected) < min(BOUNDS[torch.bfloat16], 0.75 * relative_error(x2, expected))
@@ -211,10 +217,10 @@ def test_cuda_silu_mul_equals_the_two_launches(config: MmaGemvConfig | None) -> 
     t = gptq_tensors(k, n, 128, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=7)
     config = config or pick_mma_gemv_config(n, k, 132)
-    args = (x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], 128, 1, config)
-    fused = gemv_pairs_mma(*args, silu_mul=True)
+    weight = Int4Weight(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    fused = gemv_pairs_mma(x, weight, config, silu_mul=True)
     assert fused.shape == (1, n // 2)
-    torch.testing.assert_close(fused, kernels.silu_and_mul(gemv_pairs_mma(*args)), atol=0, rtol=0)
+    torch.testing.assert_close(fused, elementwise_ops.silu_and_mul(gemv_pairs_mma(x, weight, config)), atol=0, rtol=0)
 
 
 @cuda_only
@@ -222,11 +228,12 @@ def test_cuda_decode_dispatch_takes_it_and_the_switch_turns_it_off(monkeypatch: 
     k, n = 1024, 512
     t = gptq_tensors(k, n, 128, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=8)
-    args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
-    direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count))
-    assert torch.equal(kernels.int4_gemm(x, *args), direct)
-    monkeypatch.setattr(triton_int4_mma, "MMA_GEMV_MAX_ROWS", 0)
-    x2 = kernels.int4_gemm(x, *args)  # the x2 CUDA-core GEMV: another rounding, the same product
+    weight = Int4Weight(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    direct = gemv_pairs_mma(x, weight, pick_mma_gemv_config(n, k, num_sms))
+    assert torch.equal(int4_ops.int4_gemm(x, weight), direct)
+    monkeypatch.setattr(triton_mma, "MMA_GEMV_MAX_ROWS", 0)
+    x2 = int4_ops.int4_gemm(x, weight)  # the x2 CUDA-core GEMV: another rounding, the same product
     assert not torch.equal(x2, direct)
     assert relative_error(x2, reference(x, t, 128, 1)) < 5e-3
 
@@ -241,7 +248,8 @@ def test_cuda_rows_of_x_are_the_mma_columns(m: int, config: MmaGemvConfig | None
     t = gptq_tensors(k, n, 128, 1)
     x = randn(m, k, dtype=torch.bfloat16, seed=m)
     config = config or pick_mma_gemv_config(n, k, 132, rows=m)
-    y = gemv_pairs_mma(x, gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], 128, 1, config)
+    weight = Int4Weight(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    y = gemv_pairs_mma(x, weight, config)
     assert y.shape == (m, n)
     expected = reference(x, t, 128, 1)
     for row in range(m):  # each row as good as alone: its own column of the MMA
@@ -262,31 +270,32 @@ def test_cuda_tiles_layout_equals_pairs_bit_for_bit(m: int, silu_mul: bool, conf
     x = randn(m, k, dtype=torch.bfloat16, seed=12)
     config = config or pick_mma_gemv_config(n, k, 132, silu_mul=silu_mul)
     pairs = gptq_to_pairs(t["qweight"])
-    y = gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, config, silu_mul)
-    tiled = gemv_pairs_mma(x, pairs_to_tiles(pairs), t["qzeros"], t["scales"], 128, 1, config, silu_mul, tiled=True)
+    weight = Int4Weight(pairs, t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    tiles = Int4Weight(pairs_to_tiles(pairs), t["qzeros"], t["scales"], None, 128, "tiles", 1)
+    y = gemv_pairs_mma(x, weight, config, silu_mul)
+    tiled = gemv_pairs_mma(x, tiles, config, silu_mul)
     assert torch.equal(tiled, y)
-    via_dispatch = kernels.int4_gemm(x, pairs_to_tiles(pairs), t["qzeros"], t["scales"], None, 128, "tiles", 1, silu_mul)
-    assert torch.equal(via_dispatch, gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1,
-                                                    pick_mma_gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count,
-                                                                         silu_mul=silu_mul, rows=m),
-                                                    silu_mul))  # fmt: skip
+    via_dispatch = int4_ops.int4_gemm(x, tiles, silu_mul)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dispatch_config = pick_mma_gemv_config(n, k, num_sms, silu_mul=silu_mul, rows=m)
+    assert torch.equal(via_dispatch, gemv_pairs_mma(x, weight, dispatch_config, silu_mul))
     with pytest.raises(AssertionError, match="tiles layout"):
-        gemv_pairs_mma(x, pairs, t["qzeros"], t["scales"], 128, 1, config, tiled=True)
+        gemv_pairs_mma(x, dataclasses.replace(weight, layout="tiles"), config)
 
 
 @cuda_only
 def test_cuda_decode_dispatch_takes_up_to_24_rows() -> None:
     k, n = 1024, 512
     t = gptq_tensors(k, n, 128, 1)
-    args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    weight = Int4Weight(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert triton_int4_mma.MMA_GEMV_MAX_ROWS == 24
+    assert triton_mma.MMA_GEMV_MAX_ROWS == 24
     for m in (4, 8, 9, 24):
         x = randn(m, k, dtype=torch.bfloat16, seed=m)
-        direct = gemv_pairs_mma(x, *args[:3], 128, 1, pick_mma_gemv_config(n, k, num_sms, rows=m))
-        assert torch.equal(kernels.int4_gemm(x, *args), direct)
+        direct = gemv_pairs_mma(x, weight, pick_mma_gemv_config(n, k, num_sms, rows=m))
+        assert torch.equal(int4_ops.int4_gemm(x, weight), direct)
     x = randn(25, k, dtype=torch.bfloat16, seed=9)  # 25 rows: the tl.dot kernel
-    assert relative_error(kernels.int4_gemm(x, *args), reference(x, t, 128, 1)) < 5e-3
+    assert relative_error(int4_ops.int4_gemm(x, weight), reference(x, t, 128, 1)) < 5e-3
 
 
 @cuda_only
@@ -294,7 +303,8 @@ def test_cuda_graph_replays_it() -> None:
     k, n = 2048, 1024
     t = gptq_tensors(k, n, 128, 1)
     x = randn(1, k, dtype=torch.bfloat16, seed=9)
-    args = (gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], 128, 1, pick_mma_gemv_config(n, k, 132))
+    weight = Int4Weight(gptq_to_pairs(t["qweight"]), t["qzeros"], t["scales"], None, 128, "pairs", 1)
+    args = (weight, pick_mma_gemv_config(n, k, 132))
     gemv_pairs_mma(x, *args)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

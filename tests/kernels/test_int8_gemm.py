@@ -1,5 +1,5 @@
 """The INT8 weight-only GEMM and the per-token FP8 activation quantizer (Triton) against
-their torch definitions in kernels/quant_ops.py.
+their torch definitions in kernels/linear/dispatch.py.
 
 Without a GPU the kernels run under the Triton interpreter on tiny shapes in fp32 and
 fp16 (the interpreter's bf16 arithmetic is wrong); shapes are not multiples of the
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from vllm_cluster.engine.quantization.int8 import quantize_int8
-from vllm_cluster.kernels import quant_ops
+from vllm_cluster.kernels.linear import dispatch as linear_ops
+from vllm_cluster.kernels.linear import reference as linear_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: the kernel and the reference sum the same products in another order.
@@ -29,12 +30,12 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 72), (5, 33, 300), (20, 64, 48)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_gemm_matches_reference(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool) -> None:
-    from vllm_cluster.kernels.triton_int8_gemm import int8_gemm
+    from vllm_cluster.kernels.linear.triton_int8_gemm import int8_gemm
 
     qweight, scale = quantize_int8(randn(n, k, seed=1))
     x = randn(m, k, dtype=dtype, seed=2)
     bias = randn(n, dtype=dtype, seed=3) if with_bias else None
-    expected = quant_ops.int8_linear_reference(x, qweight, scale, bias)
+    expected = linear_reference.int8_linear_reference(x, qweight, scale, bias)
     actual = int8_gemm(x, qweight, scale, bias)
     assert actual.dtype == dtype and actual.shape == (m, n)
     tol = TOLERANCES[dtype]
@@ -45,34 +46,35 @@ def test_int8_gemm_matches_reference(dtype: torch.dtype, m: int, n: int, k: int,
 def test_int8_gemm_takes_fp8_weights(dtype: torch.dtype) -> None:
     """FP8's weight-only decode path (up to 16 rows) runs the same tiles on fp8 codes."""
     from vllm_cluster.engine.quantization.fp8 import quantize_fp8
-    from vllm_cluster.kernels.triton_int8_gemm import int8_gemm
+    from vllm_cluster.kernels.linear.triton_int8_gemm import int8_gemm
 
     qweight, scale = quantize_fp8(randn(33, 300, seed=12))
     x = randn(5, 300, dtype=dtype, seed=13)
     bias = randn(33, dtype=dtype, seed=14)
-    expected = quant_ops.fp8_weight_only_reference(x, qweight, scale, bias)
+    expected = linear_reference.fp8_weight_only_reference(x, qweight, scale, bias)
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(int8_gemm(x, qweight, scale[None, :].contiguous(), bias), expected, atol=tol, rtol=tol)
 
 
 def test_int8_gemm_reads_strided_input() -> None:
     """A column slice of a wider activation (as qkv splits produce) needs no copy."""
-    from vllm_cluster.kernels.triton_int8_gemm import int8_gemm
+    from vllm_cluster.kernels.linear.triton_int8_gemm import int8_gemm
 
     qweight, scale = quantize_int8(randn(24, 40, seed=4))
     wide = randn(3, 56, seed=5)
     x = wide[:, 8:48]
-    torch.testing.assert_close(int8_gemm(x, qweight, scale, None), quant_ops.int8_linear_reference(x, qweight, scale, None))
+    expected = linear_reference.int8_linear_reference(x, qweight, scale, None)
+    torch.testing.assert_close(int8_gemm(x, qweight, scale, None), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_per_token_quant_fp8_matches_reference(dtype: torch.dtype) -> None:
-    from vllm_cluster.kernels.triton_fp8_quant import per_token_quant_fp8
+    from vllm_cluster.kernels.linear.triton_fp8_quant import per_token_quant_fp8
 
     x = randn(6, 50, dtype=dtype, seed=6) * torch.arange(1, 7, device=DEVICE, dtype=dtype)[:, None]
     x[3] = 0  # a padding row: scale floors at MIN_AMAX / 448, values stay 0
     q, scale = per_token_quant_fp8(x)
-    q_ref, scale_ref = quant_ops.per_token_quant_fp8_reference(x)
+    q_ref, scale_ref = linear_reference.per_token_quant_fp8_reference(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
     assert torch.equal(q[3].float().cpu(), torch.zeros(50))
@@ -96,8 +98,8 @@ def test_fp8_linear_on_cuda_matches_its_cpu_definition(m: int) -> None:
     qweight, scale = quantize_fp8(randn(256, 512, seed=7))
     x = randn(m, 512, dtype=torch.bfloat16, seed=8)
     bias = randn(256, dtype=torch.bfloat16, seed=9)
-    actual = quant_ops.fp8_linear(x, qweight, scale[None, :].contiguous(), bias)
-    expected = quant_ops.fp8_linear_reference(x, qweight, scale, bias)
+    actual = linear_ops.fp8_linear(x, qweight, scale[None, :].contiguous(), bias)
+    expected = linear_reference.fp8_linear_reference(x, qweight, scale, bias)
     assert actual.dtype == torch.bfloat16
     torch.testing.assert_close(actual, expected, atol=3e-2, rtol=1.6e-2)
 
@@ -107,7 +109,7 @@ def test_fp8_linear_on_cuda_matches_its_cpu_definition(m: int) -> None:
 def test_int8_linear_on_cuda_bf16(m: int) -> None:
     qweight, scale = quantize_int8(randn(1024, 768, seed=10))
     x = randn(m, 768, dtype=torch.bfloat16, seed=11)
-    actual = quant_ops.int8_linear(x, qweight, scale, None)
-    expected = quant_ops.int8_linear_reference(x, qweight, scale, None)
+    actual = linear_ops.int8_linear(x, qweight, scale, None)
+    expected = linear_reference.int8_linear_reference(x, qweight, scale, None)
     torch.testing.assert_close(actual, expected, atol=3e-2, rtol=1.6e-2)
 

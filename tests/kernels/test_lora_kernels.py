@@ -1,4 +1,4 @@
-"""Batched LoRA shrink/expand (kernels/triton_lora.py, and the CPU path of kernels/lora.py)
+"""Batched LoRA shrink/expand (kernels/lora/triton_shrink_expand.py, and the CPU path of kernels/lora/dispatch.py)
 against the per-token reference, over a batch that mixes adapters and base tokens (-1).
 Without a GPU the Triton kernels run under the interpreter on tiny fp32/fp16 shapes; the
 token-block tests shrink the tiles so that a few dozen tokens span several blocks and K
@@ -12,7 +12,10 @@ from types import ModuleType
 import pytest
 import torch
 
-from vllm_cluster.kernels import lora
+from vllm_cluster.kernels.lora import dispatch as lora_ops
+from vllm_cluster.kernels.lora import reference as lora_reference
+from vllm_cluster.kernels.lora import triton_shrink_expand
+from vllm_cluster.kernels.lora.dispatch import SlotGroups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -31,22 +34,21 @@ def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_shrink_expand_match_reference(dtype: torch.dtype, path: str) -> None:
-    impl: ModuleType = lora
+    impl: ModuleType = lora_ops
     if path == "triton":
         pytest.importorskip("triton")
-        from vllm_cluster.kernels import triton_lora
 
-        impl = triton_lora
+        impl = triton_shrink_expand
     device = DEVICE if path == "triton" else "cpu"
     x, a, b, y = (t.to(device) for t in _inputs(dtype))
     slots = torch.tensor(SLOTS, device=device)
     s = impl.lora_shrink(x, a, slots)  # [S, T, N] partials
-    expected_s = lora.lora_shrink_reference(x, a, slots)
+    expected_s = lora_reference.lora_shrink_reference(x, a, slots)
     torch.testing.assert_close(s.sum(0), expected_s, atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
     assert not s[:, 1].any() and not s[:, 5].any()
     ours, expected = y.clone(), y.clone()
     impl.lora_expand_add(ours[:, 3:27], s[:, :, 2:8], b, slots)  # a rank slice, a column slice
-    lora.lora_expand_reference(expected[:, 3:27], expected_s[:, 2:8], b, slots)
+    lora_reference.lora_expand_reference(expected[:, 3:27], expected_s[:, 2:8], b, slots)
     tol = TOLERANCES[dtype] * 10
     torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
     assert torch.equal(ours[1], y[1]) and torch.equal(ours[:, :3], y[:, :3])  # base rows, other columns
@@ -58,14 +60,16 @@ def test_grouped_path_matches_reference(dtype: torch.dtype) -> None:
     # The eager path: the caller hands the tokens of each slot (here on the test device).
     x, a, b, y = (t.to(DEVICE) for t in _inputs(dtype))
     slots = torch.tensor(SLOTS, device=DEVICE)
-    groups: lora.SlotGroups = [(slot, torch.tensor([t for t, v in enumerate(SLOTS) if v == slot], device=DEVICE)) for slot in (0, 1, 2)]
-    s = lora.lora_shrink(x, a, slots, groups)
-    expected_s = lora.lora_shrink_reference(x, a, slots)
+    groups: SlotGroups = [
+        (slot, torch.tensor([t for t, v in enumerate(SLOTS) if v == slot], device=DEVICE)) for slot in (0, 1, 2)
+    ]
+    s = lora_ops.lora_shrink(x, a, slots, groups)
+    expected_s = lora_reference.lora_shrink_reference(x, a, slots)
     assert s.shape == (1, *expected_s.shape)
     torch.testing.assert_close(s[0], expected_s, atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
     ours, expected = y.clone(), y.clone()
-    lora.lora_expand_add(ours[:, 3:27], s[:, :, 2:8], b, slots, groups=groups)
-    lora.lora_expand_reference(expected[:, 3:27], expected_s[:, 2:8], b, slots)
+    lora_ops.lora_expand_add(ours[:, 3:27], s[:, :, 2:8], b, slots, groups=groups)
+    lora_reference.lora_expand_reference(expected[:, 3:27], expected_s[:, 2:8], b, slots)
     tol = TOLERANCES[dtype] * 10
     torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
 
@@ -73,9 +77,9 @@ def test_grouped_path_matches_reference(dtype: torch.dtype) -> None:
 def test_all_base_tokens_leave_output_alone() -> None:
     x, a, b, y = _inputs(torch.float32)
     slots = torch.full((len(SLOTS),), -1)
-    s = lora.lora_shrink(x, a, slots)
+    s = lora_ops.lora_shrink(x, a, slots)
     ours = y.clone()
-    lora.lora_expand_add(ours[:, :24], s[:, :, :6], b, slots)
+    lora_ops.lora_expand_add(ours[:, :24], s[:, :, :6], b, slots)
     assert not s.any() and torch.equal(ours, y)
 
 
@@ -104,19 +108,18 @@ def _block_inputs(slots: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, .
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
 def test_token_blocks_match_reference(dtype: torch.dtype, pattern: str) -> None:
     pytest.importorskip("triton")
-    from vllm_cluster.kernels import triton_lora
 
     x, a, b, y = _block_inputs(SLOT_PATTERNS[pattern], dtype)
     slots = torch.tensor(SLOT_PATTERNS[pattern], device=DEVICE)
-    s = triton_lora.lora_shrink(x, a, slots, triton_lora.ShrinkTiles(**SMALL_TILES))
+    s = triton_shrink_expand.lora_shrink(x, a, slots, triton_shrink_expand.ShrinkTiles(**SMALL_TILES))
     assert s.shape[0] == 2  # K 40 in slices of 32
-    expected_s = lora.lora_shrink_reference(x, a, slots)
+    expected_s = lora_reference.lora_shrink_reference(x, a, slots)
     torch.testing.assert_close(s.sum(0), expected_s, atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
     assert not s[:, slots < 0].any()
     s[:, slots < 0] = float("nan")  # the expand must not read a base token's s
     ours, expected = y.clone(), y.clone()
-    triton_lora.lora_expand_add(ours[:, 2:42], s[:, :, 6:12], b, slots, block_t=16)
-    lora.lora_expand_reference(expected[:, 2:42], expected_s[:, 6:12], b, slots)
+    triton_shrink_expand.lora_expand_add(ours[:, 2:42], s[:, :, 6:12], b, slots, block_t=16)
+    lora_reference.lora_expand_reference(expected[:, 2:42], expected_s[:, 6:12], b, slots)
     tol = TOLERANCES[dtype] * 10
     torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
     assert torch.equal(ours[slots < 0], y[slots < 0])
@@ -126,24 +129,23 @@ def test_token_blocks_match_reference(dtype: torch.dtype, pattern: str) -> None:
 def test_default_tiles_past_one_block() -> None:
     # 70 tokens: blocks of 64 (the prefill tiles), the second one mixed and mostly past T.
     pytest.importorskip("triton")
-    from vllm_cluster.kernels import triton_lora
 
     pattern = [1] * 40 + [-1] * 20 + [0] * 10
     x, a, b, y = _block_inputs(pattern, torch.float32)
     slots = torch.tensor(pattern, device=DEVICE)
-    assert triton_lora.shrink_tiles(len(pattern), 40).block_t == 64
-    s = triton_lora.lora_shrink(x, a, slots)
-    torch.testing.assert_close(s.sum(0), lora.lora_shrink_reference(x, a, slots), atol=1e-5, rtol=1e-5)
+    assert triton_shrink_expand.shrink_tiles(len(pattern), 40).block_t == 64
+    s = triton_shrink_expand.lora_shrink(x, a, slots)
+    torch.testing.assert_close(s.sum(0), lora_reference.lora_shrink_reference(x, a, slots), atol=1e-5, rtol=1e-5)
     ours, expected = y.clone(), y.clone()
-    triton_lora.lora_expand_add(ours[:, :40], s[:, :, :6], b, slots)
-    lora.lora_expand_reference(expected[:, :40], s.sum(0)[:, :6], b, slots)
+    triton_shrink_expand.lora_expand_add(ours[:, :40], s[:, :, :6], b, slots)
+    lora_reference.lora_expand_reference(expected[:, :40], s.sum(0)[:, :6], b, slots)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_tokens, k", [(8, 2048), (1024, 2048), (1024, 8192), (70, 40)])
 def test_shrink_tiles_cover_k(num_tokens: int, k: int) -> None:
     pytest.importorskip("triton")
-    from vllm_cluster.kernels.triton_lora import shrink_tiles
+    from vllm_cluster.kernels.lora.triton_shrink_expand import shrink_tiles
 
     tiles = shrink_tiles(num_tokens, k)
     assert tiles.k_per_split % tiles.block_k == 0 and tiles.block_t >= 16
@@ -171,7 +173,8 @@ def _fused_reference(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: t
     # y: [T, M], s: [T, P*R]: each part on its own, the definition's way
     r, start = b.shape[2], 0
     for p, size in enumerate(part_sizes):
-        lora.lora_expand_reference(y[:, start : start + size], s[:, p * r : (p + 1) * r], b[:, start : start + size], slots)
+        part = slice(start, start + size)
+        lora_reference.lora_expand_reference(y[:, part], s[:, p * r : (p + 1) * r], b[:, part], slots)
         start += size
 
 
@@ -180,17 +183,17 @@ def _fused_reference(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: t
 @pytest.mark.parametrize("fused", FUSED_PARTS)
 def test_fused_parts_match_reference(dtype: torch.dtype, pattern: str, fused: str) -> None:
     pytest.importorskip("triton")
-    from vllm_cluster.kernels import triton_lora
 
     part_sizes, slot_list = FUSED_PARTS[fused], SLOT_PATTERNS[pattern]
     x, a, b, y = _fused_inputs(slot_list, part_sizes, dtype)
     slots = torch.tensor(slot_list, device=DEVICE)
-    s = triton_lora.lora_shrink(x, a, slots, triton_lora.ShrinkTiles(block_t=16, block_k=16, k_per_split=16))
+    tiles = triton_shrink_expand.ShrinkTiles(block_t=16, block_k=16, k_per_split=16)
+    s = triton_shrink_expand.lora_shrink(x, a, slots, tiles)
     assert s.shape[0] == 3  # K 40 in slices of 16: three partials for the expand to add
-    expected_s = lora.lora_shrink_reference(x, a, slots)
+    expected_s = lora_reference.lora_shrink_reference(x, a, slots)
     ours, expected = y.clone(), y.clone()
     m = sum(part_sizes)
-    triton_lora.lora_expand_add(ours[:, 1 : m + 1], s, b, slots, part_sizes, block_t=16)
+    triton_shrink_expand.lora_expand_add(ours[:, 1 : m + 1], s, b, slots, part_sizes, block_t=16)
     _fused_reference(expected[:, 1 : m + 1], expected_s, b, slots, part_sizes)
     tol = TOLERANCES[dtype] * 10
     torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
@@ -204,16 +207,16 @@ def test_fused_parts_torch_path(fused: str) -> None:
     part_sizes, slot_list = FUSED_PARTS[fused], SLOT_PATTERNS["runs"]
     x, a, b, y = (t.cpu() for t in _fused_inputs(slot_list, part_sizes, torch.float32))
     slots = torch.tensor(slot_list)
-    groups: lora.SlotGroups = [(v, (slots == v).nonzero().squeeze(1)) for v in (0, 1, 2)]
+    groups: SlotGroups = [(v, (slots == v).nonzero().squeeze(1)) for v in (0, 1, 2)]
     expected = y.clone()
     m = sum(part_sizes)
-    _fused_reference(expected[:, :m], lora.lora_shrink_reference(x, a, slots), b, slots, part_sizes)
+    _fused_reference(expected[:, :m], lora_reference.lora_shrink_reference(x, a, slots), b, slots, part_sizes)
     for given in (None, groups):
         ours = y.clone()
-        s = lora.lora_shrink(x, a, slots, given)
-        lora.lora_expand_add(ours[:, :m], s, b, slots, part_sizes, given)
+        s = lora_ops.lora_shrink(x, a, slots, given)
+        lora_ops.lora_expand_add(ours[:, :m], s, b, slots, part_sizes, given)
         torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
     split = torch.stack([s[0] / 4, s[0] * 3 / 4])  # partials from a K split add up before the expand
     ours = y.clone()
-    lora.lora_expand_add(ours[:, :m], split, b, slots, part_sizes)
+    lora_ops.lora_expand_add(ours[:, :m], split, b, slots, part_sizes)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py) in the batch-1 decode chain.
+"""Programmatic dependent launch (kernels/sync/pdl.py) in the batch-1 decode chain.
 
 Every kernel of the chain may start while the one before it is still running and reads
 its inputs only after `gdc_wait()`. A missing or misplaced wait would read stale data: the
@@ -20,13 +20,18 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from vllm_cluster.kernels import dispatch as kernels
 from vllm_cluster.engine.quantization.fp8 import quantize_fp8
 from vllm_cluster.engine.quantization.int4_pack import pack_gptq, quantize_rtn
-from vllm_cluster.kernels import pdl
-from vllm_cluster.kernels.int4_rows import gptq_to_pairs, gptq_to_rows
-from vllm_cluster.kernels.quant_ops import fp8_linear
-from vllm_cluster.kernels.triton_int4_mma import int4_mma, pick_mma_config
+from vllm_cluster.kernels.attention import dispatch as attention_ops
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata
+from vllm_cluster.kernels.elementwise import dispatch as elementwise_ops
+from vllm_cluster.kernels.int4 import dispatch as int4_ops
+from vllm_cluster.kernels.int4.layouts import gptq_to_pairs, gptq_to_rows
+from vllm_cluster.kernels.int4.triton_mma import int4_mma, pick_mma_config
+from vllm_cluster.kernels.int4.weight import Int4Weight
+from vllm_cluster.kernels.linear import dispatch as linear_ops
+from vllm_cluster.kernels.linear.dispatch import fp8_linear
+from vllm_cluster.kernels.sync import pdl
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -57,7 +62,7 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
     cos, sin = angles.cos(), angles.sin()
     block_table = torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)[None, :]
     last = seq_len - 1  # the new token's slot: rotary + KV write fills it, attention reads it
-    meta = kernels.AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=(block_table[0, last // BLOCK].long() * BLOCK + last % BLOCK).reshape(1),
         block_tables=block_table,
         seq_lens=torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
@@ -69,27 +74,28 @@ def _chain(num_layers: int = 6) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor) -> torch.Tensor:
         residual = None
         for i in range(num_layers):
-            h, residual = kernels.fused_add_rms_norm(x, residual, norm_w[2 * i], 1e-5)
+            h, residual = elementwise_ops.fused_add_rms_norm(x, residual, norm_w[2 * i], 1e-5)
             if i % 2:  # bf16 GEMV with SiLU-and-mul fused (lets down launch after its loop)
-                act = kernels.linear_silu_mul(h, gate_up[i])
+                act = linear_ops.linear_silu_mul(h, gate_up[i])
             else:  # bf16 GEMV, then SiLU-and-mul
-                act = kernels.silu_and_mul(kernels.linear(h, gate_up[i]))
+                act = elementwise_ops.silu_and_mul(linear_ops.linear(h, gate_up[i]))
             x = fp8_linear(act, down[i][0], down[i][1][None, :], None)  # fp8 GEMV
-            h, residual = kernels.fused_add_rms_norm(x, residual, norm_w[2 * i + 1], 1e-5)
-            qkv = kernels.linear(h, qkv_proj[i])
+            h, residual = elementwise_ops.fused_add_rms_norm(x, residual, norm_w[2 * i + 1], 1e-5)
+            qkv = linear_ops.linear(h, qkv_proj[i])
             q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
             q, k, v = q.view(1, HEADS, HEAD_DIM), k.view(1, KV_HEADS, HEAD_DIM), v.view(1, KV_HEADS, HEAD_DIM)
             if i % 2:  # decode attention rotating and caching the new token itself
-                attn = kernels.rotary_paged_attention(q, k, v, cos, sin, kv_cache, meta, HEAD_DIM**-0.5)
+                attn = attention_ops.rotary_paged_attention(q, k, v, cos, sin, kv_cache, meta, HEAD_DIM**-0.5)
             else:  # rotary + KV write, then decode attention (split + combine)
-                q, k = kernels.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
-                attn = kernels.paged_attention(q, k, k, kv_cache, meta, HEAD_DIM**-0.5)
+                q, k = attention_ops.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+                attn = attention_ops.paged_attention(q, k, k, kv_cache, meta, HEAD_DIM**-0.5)
             qweight, qzeros, scales = o_int4[i]
+            weight = Int4Weight(qweight, qzeros, scales, None, 128, "pairs" if i % 2 else "rows", 0)
             if i % 4 == 1:  # the INT4 tensor-core kernel (reads its first weights before the wait)
                 config = pick_mma_config(1, D, HEADS * HEAD_DIM, 132, early=True)
-                x = int4_mma(attn.view(1, -1), qweight, qzeros, scales, None, 128, 0, config)
+                x = int4_mma(attn.view(1, -1), weight, None, config)
             else:  # the INT4 GEMV on the rows layout, or (i % 4 == 3) on the pairs layout
-                x = kernels.int4_gemm(attn.view(1, -1), qweight, qzeros, scales, None, 128, "pairs" if i % 2 else "rows", 0)
+                x = int4_ops.int4_gemm(attn.view(1, -1), weight)
         return x + residual
 
     return run

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.kernels.test_decode_attention import fp8_scales, to_fp8
-from vllm_cluster.kernels import reference
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
-from vllm_cluster.kernels.triton_prefill_attention import (
+from vllm_cluster.kernels.attention import reference as attention_reference
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.attention.triton_prefill import (
     PrefillTileConfig,
     default_tile_config,
     prefill_attention,
@@ -97,7 +97,7 @@ def check(
         q, kv_cache, block_tables, query_start_loc, seq_lens_t, scale, max(q_lens), config=config,
         k_scale=k_scale, v_scale=v_scale,
     )
-    expected = reference.prefill_attention(
+    expected = attention_reference.prefill_attention(
         q, kv_cache, block_tables, query_start_loc, seq_lens_t, scale, k_scale, v_scale
     )
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -162,7 +162,7 @@ def test_strided_query_and_rows_outside_every_sequence() -> None:
     q_view = qkv[:, :4]
     out = prefill_attention(q_view, kv_cache, block_tables, query_start_loc, seq_lens, 0.2, 19,
                             config=TILES_16)
-    expected = reference.prefill_attention(q_view, kv_cache, block_tables, query_start_loc, seq_lens, 0.2)
+    expected = attention_reference.prefill_attention(q_view, kv_cache, block_tables, query_start_loc, seq_lens, 0.2)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
 

@@ -1,7 +1,7 @@
 """Decode attention that rotates and caches the new token itself
-(`triton_decode_attention.rotary_decode_attention`, what `kernels.rotary_paged_attention`
-runs for a decode-only batch on CUDA) against its definition: `reference.rotary_write_kv_cache`
-of the new tokens, then `reference.decode_attention`.
+(`triton_decode.rotary_decode_attention`, what `attention_ops.rotary_paged_attention`
+runs for a decode-only batch on CUDA) against its definition: `attention_reference.rotary_write_kv_cache`
+of the new tokens, then `attention_reference.decode_attention`.
 
 The output matches with the tolerances of the plain decode attention tests; the cache ends
 up holding what the reference writes (the old contents of each new token's slot are random,
@@ -24,12 +24,12 @@ from tests.kernels.test_decode_attention import (
     to_fp8,
 )
 from tests.kernels.test_triton_ops import fused_qkv, llama3_tables
-from vllm_cluster.kernels import dispatch as kernels
-from vllm_cluster.kernels import reference, triton_decode_attention
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
-from vllm_cluster.kernels.metadata import AttentionMetadata
-from vllm_cluster.kernels.torch_ops import make_plan
-from vllm_cluster.kernels.triton_decode_attention import rotary_decode_attention
+from vllm_cluster.kernels.attention import dispatch as attention_ops
+from vllm_cluster.kernels.attention import reference as attention_reference
+from vllm_cluster.kernels.attention import triton_decode
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
+from vllm_cluster.kernels.attention.triton_decode import rotary_decode_attention
 
 
 def new_tokens(
@@ -58,9 +58,9 @@ def check(
         scales = fp8_scales()
         cache = to_fp8(cache, *scales)
     expected_cache = cache.clone()
-    rotated_q, _ = reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slots, *scales)
+    rotated_q, _ = attention_reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slots, *scales)
     scale = head_dim**-0.5
-    expected = reference.decode_attention(rotated_q, expected_cache, block_tables, seq_lens_t, scale, *scales)
+    expected = attention_reference.decode_attention(rotated_q, expected_cache, block_tables, seq_lens_t, scale, *scales)
     inputs = [t.clone() for t in (q, k, v)]
 
     out = rotary_decode_attention(
@@ -91,7 +91,7 @@ def test_matches_rotary_write_then_decode_attention(
 ) -> None:
     """Both ways of reading the first cached tile (before the PDL wait, peeled off the loop,
     or in the loop) give the definition's result."""
-    monkeypatch.setattr(triton_decode_attention, "EARLY_FIRST_TILE", early_tile)
+    monkeypatch.setattr(triton_decode, "EARLY_FIRST_TILE", early_tile)
     check(SEQ_LENS, 8, 2, 32, 16, dtype, num_splits)
 
 
@@ -106,7 +106,7 @@ def test_head_dim_not_power_of_two() -> None:
 
 
 def test_dispatch_runs_it_for_decode_only_batches() -> None:
-    """kernels.rotary_paged_attention: the fused kernel for a decode-only batch on CUDA, the
+    """attention_ops.rotary_paged_attention: the fused kernel for a decode-only batch on CUDA, the
     rotary write + paged attention elsewhere; the same result either way."""
     seq_lens = [20, 3, 7]  # no padding row: only CUDA graphs pad, and the CPU path has none
     _, cache, block_tables, seq_lens_t = make_inputs(seq_lens, 4, 2, 16, 4, torch.float32)
@@ -117,9 +117,9 @@ def test_dispatch_runs_it_for_decode_only_batches() -> None:
         cpu_plan=None if q.is_cuda else make_plan([0, 1, 2, 3], seq_lens),
     )  # fmt: skip
     expected_cache = cache.clone()
-    rotated_q, _ = reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slots)
-    expected = reference.decode_attention(rotated_q, expected_cache, block_tables, seq_lens_t, 0.25)
-    out = kernels.rotary_paged_attention(q.clone(), k.clone(), v, cos, sin, cache, meta, 0.25)
+    rotated_q, _ = attention_reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slots)
+    expected = attention_reference.decode_attention(rotated_q, expected_cache, block_tables, seq_lens_t, 0.25)
+    out = attention_ops.rotary_paged_attention(q.clone(), k.clone(), v, cos, sin, cache, meta, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(cache, expected_cache, atol=1e-5, rtol=0)
 
@@ -157,8 +157,8 @@ def test_cuda_graph_replay_with_new_lengths_and_slots() -> None:
         dst.copy_(src)
     seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
     expected_cache = cache.clone()
-    rotated_q, _ = reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slots)
-    expected = reference.decode_attention(rotated_q, expected_cache, block_tables, seq_lens, 128**-0.5)
+    rotated_q, _ = attention_reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slots)
+    expected = attention_reference.decode_attention(rotated_q, expected_cache, block_tables, seq_lens, 128**-0.5)
     graph.replay()
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(cache.float(), expected_cache.float(), atol=2e-2, rtol=0)

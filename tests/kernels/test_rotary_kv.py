@@ -1,5 +1,5 @@
-"""The fused rotary + KV cache write (kernels/triton_rotary_kv.py) against its definition,
-`reference.rotary_write_kv_cache` (rotary_embedding, then write_kv_cache).
+"""The fused rotary + KV cache write (kernels/attention/triton_rotary_kv.py) against its definition,
+`attention_reference.rotary_write_kv_cache` (rotary_embedding, then write_kv_cache).
 
 q and k come back rotated as the reference rotates them (fp32 math, rounded to their
 dtype), and rotated in place in the qkv projection's storage. The cache holds exactly what
@@ -21,10 +21,13 @@ from tests.kernels.test_triton_ops import (
     llama3_tables,
     randn,
 )
-from vllm_cluster.kernels import dispatch as kernels
-from vllm_cluster.kernels import reference, triton_ops
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
-from vllm_cluster.kernels.triton_rotary_kv import rotary_write_kv_cache
+from vllm_cluster.kernels.attention import dispatch as attention_ops
+from vllm_cluster.kernels.attention import reference as attention_reference
+from vllm_cluster.kernels.attention import triton_kv_write
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.attention.triton_rotary_kv import rotary_write_kv_cache
+from vllm_cluster.kernels.elementwise import reference as elementwise_reference
+from vllm_cluster.kernels.elementwise import triton_ops
 
 
 def check(
@@ -47,7 +50,7 @@ def check(
     slot_mapping = slots.to(DEVICE)
     cache = randn(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=2).to(kv_dtype)
     scales = [torch.tensor([s], device=DEVICE) for s in (0.013, 0.006)]
-    expected_q, expected_k = reference.rotary_embedding(q, k, cos, sin)
+    expected_q, expected_k = elementwise_reference.rotary_embedding(q, k, cos, sin)
     expected_cache = cache.clone()
 
     q_out, k_out = rotary_write_kv_cache(q, k, v, cos, sin, cache, slot_mapping, *scales)
@@ -56,7 +59,7 @@ def check(
     assert_close(k_out, expected_k)
     assert q_out.data_ptr() == q.data_ptr() and torch.equal(q, q_out)  # rotated in place
     assert k_out.data_ptr() == k.data_ptr() and torch.equal(k, k_out)
-    reference.write_kv_cache(k_out, v, expected_cache, slot_mapping, *scales)
+    attention_reference.write_kv_cache(k_out, v, expected_cache, slot_mapping, *scales)
     assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
 
 
@@ -79,13 +82,13 @@ def test_no_tokens() -> None:
 
 
 def test_torch_path_is_the_definition() -> None:
-    """The CPU path (what kernels.rotary_write_kv_cache runs off CUDA) equals the reference."""
+    """The CPU path (what attention_ops.rotary_write_kv_cache runs off CUDA) equals the reference."""
     q, k, v = (x.cpu() for x in fused_qkv(5, 4, 2, 16, torch.float32))
     cos, sin = (x.cpu() for x in llama3_tables(torch.arange(5, device=DEVICE), 16, 64))
     slot_mapping = torch.tensor([3, 0, 9, 12, 7])
     cache, expected_cache = torch.zeros(4, 2, 4, 2, 16), torch.zeros(4, 2, 4, 2, 16)
-    q_out, k_out = kernels.rotary_write_kv_cache(q, k, v, cos, sin, cache, slot_mapping)
-    expected_q, expected_k = reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slot_mapping)
+    q_out, k_out = attention_ops.rotary_write_kv_cache(q, k, v, cos, sin, cache, slot_mapping)
+    expected_q, expected_k = attention_reference.rotary_write_kv_cache(q, k, v, cos, sin, expected_cache, slot_mapping)
     assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
     assert torch.equal(cache, expected_cache)
 
@@ -113,8 +116,8 @@ def test_equals_the_unfused_kernels_cuda(kv_fp8: bool) -> None:
     cache = torch.zeros(16, 2, 16, 8, 128, device=DEVICE).to(kv_dtype)
     unfused_cache = cache.clone()
     unfused_q, unfused_k = triton_ops.rotary_embedding(q, k, cos, sin)
-    triton_ops.write_kv_cache(unfused_k, v, unfused_cache, slot_mapping, *scales)
-    q_out, k_out = kernels.rotary_write_kv_cache(q, k, v, cos, sin, cache, slot_mapping, *scales)
+    triton_kv_write.write_kv_cache(unfused_k, v, unfused_cache, slot_mapping, *scales)
+    q_out, k_out = attention_ops.rotary_write_kv_cache(q, k, v, cos, sin, cache, slot_mapping, *scales)
     assert torch.equal(q_out, unfused_q) and torch.equal(k_out, unfused_k)
     assert torch.equal(cache.view(torch.uint8), unfused_cache.view(torch.uint8))
 
@@ -143,9 +146,9 @@ def test_cuda_graph_capture() -> None:
     cache.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    expected_q, expected_k = reference.rotary_embedding(qkv_before[0], qkv_before[1], new_cos, new_sin)
+    expected_q, expected_k = elementwise_reference.rotary_embedding(qkv_before[0], qkv_before[1], new_cos, new_sin)
     assert_close(q, expected_q)
     assert_close(k, expected_k)
     expected_cache = torch.zeros_like(cache)
-    reference.write_kv_cache(k, v, expected_cache, slot_mapping)
+    attention_reference.write_kv_cache(k, v, expected_cache, slot_mapping)
     assert torch.equal(cache, expected_cache)

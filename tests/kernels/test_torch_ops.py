@@ -1,5 +1,5 @@
-"""The CPU attention path (kernels/torch_ops.py) against the torch reference, on a mixed batch
-whose new tokens are written through torch_ops.write_kv_cache first, as the engine does: a
+"""The CPU attention path (kernels/attention/torch_ops.py) against the torch reference, on a mixed batch
+whose new tokens are written through attention_torch_ops.write_kv_cache first, as the engine does: a
 fresh prompt, a chunk after a cached prefix, and decode rows of different lengths.
 
 With an fp8 cache the reference reads back what was stored (fp8 * scale, in fp32); the CPU
@@ -13,10 +13,10 @@ import itertools
 import pytest
 import torch
 
-from vllm_cluster.kernels import reference, torch_ops
-from vllm_cluster.kernels.dispatch import AttentionMetadata
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE
-from vllm_cluster.kernels.torch_ops import make_plan
+from vllm_cluster.kernels.attention import reference as attention_reference
+from vllm_cluster.kernels.attention import torch_ops as attention_torch_ops
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE
+from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
 
 Q_LENS = [9, 6, 1, 1]
 SEQ_LENS = [9, 14, 7, 12]  # the second row's first 8 tokens, and the decode rows', are cached
@@ -36,7 +36,7 @@ def run(kv_dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor) -> 
     new = [torch.arange(s - q, s) for q, s in zip(Q_LENS, SEQ_LENS, strict=True)]
     prefix_slots = _slots(block_tables, cached, block_size)
     prefix_k, prefix_v = (torch.randn(len(prefix_slots), num_kv_heads, head_dim, generator=gen) for _ in range(2))
-    torch_ops.write_kv_cache(prefix_k, prefix_v, cache, prefix_slots, k_scale, v_scale)  # earlier steps
+    attention_torch_ops.write_kv_cache(prefix_k, prefix_v, cache, prefix_slots, k_scale, v_scale)  # earlier steps
     slots = _slots(block_tables, new, block_size)
     num_tokens = sum(Q_LENS)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
@@ -47,9 +47,9 @@ def run(kv_dtype: torch.dtype, k_scale: torch.Tensor, v_scale: torch.Tensor) -> 
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32), max_query_len=max(Q_LENS),
         max_seq_len=max(SEQ_LENS), cpu_plan=make_plan(query_start_loc, SEQ_LENS),
     )
-    torch_ops.write_kv_cache(k, v, cache, slots, k_scale, v_scale)
-    out = torch_ops.paged_attention(q, k, v, cache, meta, 0.25, k_scale, v_scale)
-    expected = reference.prefill_attention(
+    attention_torch_ops.write_kv_cache(k, v, cache, slots, k_scale, v_scale)
+    out = attention_torch_ops.paged_attention(q, k, v, cache, meta, 0.25, k_scale, v_scale)
+    expected = attention_reference.prefill_attention(
         q, cache, block_tables, meta.query_start_loc, meta.seq_lens, 0.25, k_scale, v_scale
     )
     return out, expected

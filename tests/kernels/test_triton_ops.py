@@ -1,4 +1,4 @@
-"""Triton kernels of kernels/triton_ops.py against their torch references.
+"""Triton kernels of kernels/elementwise/triton_ops.py against their torch references.
 
 Without a GPU the kernels run under the Triton interpreter on tiny shapes in fp32 and fp16
 (the interpreter's bf16 arithmetic is wrong); with one, the CUDA tests add realistic Llama-8B
@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from vllm_cluster.engine.layers.rotary import RotaryEmbedding
-from vllm_cluster.kernels import reference, triton_ops
-from vllm_cluster.kernels.fp8_kv import FP8_KV_DTYPE, FP8_MAX
+from vllm_cluster.kernels.attention import reference as attention_reference
+from vllm_cluster.kernels.attention import triton_kv_write
+from vllm_cluster.kernels.attention.fp8_kv import FP8_KV_DTYPE, FP8_MAX
+from vllm_cluster.kernels.elementwise import reference as elementwise_reference
+from vllm_cluster.kernels.elementwise import triton_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -71,8 +74,8 @@ def check_write_kv_cache(
     expected = cache.clone()
     original = cache.clone()
 
-    reference.write_kv_cache(key, value, expected, slot_mapping)
-    triton_ops.write_kv_cache(key, value, cache, slot_mapping)
+    attention_reference.write_kv_cache(key, value, expected, slot_mapping)
+    triton_kv_write.write_kv_cache(key, value, cache, slot_mapping)
 
     assert torch.equal(cache, expected)
     written = slots[slots >= 0]
@@ -117,8 +120,8 @@ def check_write_kv_cache_fp8(
     cache = randn(*shape, dtype=torch.float32, seed=2).to(FP8_KV_DTYPE)
     expected = cache.clone()
     scales = [torch.tensor([s], device=DEVICE) for s in (k_scale, v_scale)]
-    reference.write_kv_cache(key, value, expected, slot_mapping, *scales)
-    triton_ops.write_kv_cache(key, value, cache, slot_mapping, *scales)
+    attention_reference.write_kv_cache(key, value, expected, slot_mapping, *scales)
+    triton_kv_write.write_kv_cache(key, value, cache, slot_mapping, *scales)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     return cache
 
@@ -146,7 +149,7 @@ def test_write_kv_cache_no_tokens() -> None:
     cache = randn(2, 2, 4, 2, 8, dtype=torch.float32)
     original = cache.clone()
     empty = torch.empty(0, 2, 8, device=DEVICE)
-    triton_ops.write_kv_cache(empty, empty, cache, torch.empty(0, dtype=torch.int64, device=DEVICE))
+    triton_kv_write.write_kv_cache(empty, empty, cache, torch.empty(0, dtype=torch.int64, device=DEVICE))
     assert torch.equal(cache, original)
 
 
@@ -160,7 +163,7 @@ def check_rms_norm(num_tokens: int, hidden_size: int, dtype: torch.dtype, residu
     x_before = x.clone()
 
     out, new_res = triton_ops.fused_add_rms_norm(x, res, weight, 1e-6)
-    expected_out, expected_res = reference.fused_add_rms_norm(x, res, weight, 1e-6)
+    expected_out, expected_res = elementwise_reference.fused_add_rms_norm(x, res, weight, 1e-6)
 
     assert_close(out, expected_out)
     assert_close(new_res, expected_res)
@@ -180,7 +183,7 @@ def test_fused_add_rms_norm_strided_rows() -> None:
     res = randn(4, 128, dtype=torch.float16, seed=7)[:, 32:]
     weight = randn(96, dtype=torch.float16, seed=8)
     out, new_res = triton_ops.fused_add_rms_norm(x, res, weight, 1e-5)
-    expected_out, expected_res = reference.fused_add_rms_norm(x, res, weight, 1e-5)
+    expected_out, expected_res = elementwise_reference.fused_add_rms_norm(x, res, weight, 1e-5)
     assert_close(out, expected_out)
     assert_close(new_res, expected_res)
 
@@ -212,7 +215,7 @@ def check_rotary(
     q_before, k_before = q.clone(), k.clone()
 
     q_out, k_out = triton_ops.rotary_embedding(q, k, cos, sin)
-    expected_q, expected_k = reference.rotary_embedding(q, k, cos, sin)
+    expected_q, expected_k = elementwise_reference.rotary_embedding(q, k, cos, sin)
 
     assert_close(q_out, expected_q)
     assert_close(k_out, expected_k)
@@ -245,7 +248,7 @@ def check_silu_and_mul(num_tokens: int, intermediate_size: int, dtype: torch.dty
     x = x.to(dtype)
     out = triton_ops.silu_and_mul(x)
     assert out.shape == (num_tokens, intermediate_size)
-    assert_close(out, reference.silu_and_mul(x))
+    assert_close(out, elementwise_reference.silu_and_mul(x))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -309,7 +312,7 @@ def test_cuda_graph_capture() -> None:
     gate_up = randn(8, 2 * 1024, dtype=dtype)
 
     def step() -> tuple[torch.Tensor, ...]:
-        triton_ops.write_kv_cache(key, key, cache, slot_mapping)
+        triton_kv_write.write_kv_cache(key, key, cache, slot_mapping)
         out, res = triton_ops.fused_add_rms_norm(x, x, weight, 1e-6)
         q_out, k_out = triton_ops.rotary_embedding(q, k, cos, sin)
         return out, res, q_out, k_out, triton_ops.silu_and_mul(gate_up)
@@ -324,5 +327,5 @@ def test_cuda_graph_capture() -> None:
     for a, b in zip(captured, eager, strict=True):
         assert torch.equal(a, b)
     expected_cache = torch.zeros_like(cache)
-    reference.write_kv_cache(key, key, expected_cache, slot_mapping)
+    attention_reference.write_kv_cache(key, key, expected_cache, slot_mapping)
     assert torch.equal(cache, expected_cache)
