@@ -285,7 +285,11 @@ class EngineLoop:
         request = tracked.request
         text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
         # Hold back what could still turn out to be the start of a stop string.
-        end = len(text) if finish_reason is not None else max(tracked.num_sent_chars, len(text) - tracked.hold_back_chars)
+        end = (
+            len(text)
+            if finish_reason is not None
+            else max(tracked.num_sent_chars, len(text) - tracked.hold_back_chars)
+        )
         new_text = text[tracked.num_sent_chars : end]
         tracked.num_sent_chars = end
         logprobs = request.output_logprobs[tracked.num_sent_logprobs :]

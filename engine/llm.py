@@ -109,7 +109,10 @@ class LLM:
             parent_id = str(next(self._ids))
             children = [
                 self.core.make_request(
-                    f"{parent_id}-{i}" if params.n > 1 else parent_id, token_ids, _child_params(params, i), lora_name=lora
+                    f"{parent_id}-{i}" if params.n > 1 else parent_id,
+                    token_ids,
+                    _child_params(params, i),
+                    lora_name=lora,
                 )
                 for i in range(params.n)
             ]

@@ -79,7 +79,10 @@ class ModelRunner:
         if use_graph and len(token_ids) == num_seqs:
             assert self.graphs is not None
             # Decode-only: every sequence has one new token, and every one samples.
-            slots = [t[p // self.block_size] * self.block_size + p % self.block_size for t, p in zip(tables, positions, strict=True)]
+            slots = [
+                t[p // self.block_size] * self.block_size + p % self.block_size
+                for t, p in zip(tables, positions, strict=True)
+            ]
             return sample_ids, self.graphs.run(token_ids, positions, slots, tables, seq_lens, fill)
         input_ids, pos, meta = self._prepare(token_ids, positions, query_start_loc, seq_lens, tables)
         if fill is not None:

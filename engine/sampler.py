@@ -78,7 +78,9 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         vocab_size = logits.shape[1]
         # One host tensor, one copy: [4, R] = temperature, top_k, top_p, min_p.
-        values = torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab_size, p.top_p, p.min_p] for p in params])
+        values = torch.tensor(
+            [[p.temperature, p.top_k if p.top_k > 0 else vocab_size, p.top_p, p.min_p] for p in params]
+        )
         temperature, top_k, top_p, min_p = _to_device(values.T.contiguous(), logits.device)
         logits = logits / temperature.unsqueeze(1)
         logits = _top_k_top_p(logits, top_k.long(), top_p)

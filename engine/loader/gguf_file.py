@@ -65,7 +65,9 @@ def gguf_hf_config(path: Path) -> dict[str, Any]:
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}"
+        )
     names = {t.name for t in reader.tensors}
     num_heads = _field(reader, f"{arch}.attention.head_count")
     hidden = _field(reader, f"{arch}.embedding_length")
@@ -105,7 +107,9 @@ def gguf_weights(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, torc
         try:
             w = dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:
-            raise ModelLoadError(f"{path}: tensor {tensor.name} cannot be dequantized ({e}); the file may be truncated") from e
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} cannot be dequantized ({e}); the file may be truncated"
+            ) from e
         if is_llama and name.endswith("q_proj.weight"):
             w = _undo_llama_permute(w, config["num_attention_heads"])
         elif is_llama and name.endswith("k_proj.weight"):

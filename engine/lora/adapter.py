@@ -87,10 +87,14 @@ def _check_config(name: str, config: dict[str, Any], max_rank: int) -> tuple[int
     if config.get("use_dora"):
         raise LoRAAdapterError(f"{where} is a DoRA adapter (use_dora: true), which is not served: train a plain LoRA")
     if config.get("bias", "none") != "none":
-        raise LoRAAdapterError(f"{where} has bias {config['bias']!r}; only bias 'none' is served: retrain with bias='none'")
+        raise LoRAAdapterError(
+            f"{where} has bias {config['bias']!r}; only bias 'none' is served: retrain with bias='none'"
+        )
     for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
         if config.get(key):
-            raise LoRAAdapterError(f"{where} sets {key}, which is not served: remove it (one rank and alpha for all modules)")
+            raise LoRAAdapterError(
+                f"{where} sets {key}, which is not served: remove it (one rank and alpha for all modules)"
+            )
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise LoRAAdapterError(f"{where} has r {rank!r}; it must be a positive integer")
@@ -145,7 +149,9 @@ def _pair_tensors(
                 f"{sorted(modules)}: add it there or drop the tensor"
             )
         if layer >= arch.num_hidden_layers:
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key} names layer {layer}; the model has {arch.num_hidden_layers}")
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: tensor {key} names layer {layer}; the model has {arch.num_hidden_layers}"
+            )
         out_features, in_features = module_shape(arch, module)
         expected = (rank, in_features) if half == "A" else (out_features, rank)
         if tuple(tensor.shape) != expected:
@@ -157,7 +163,9 @@ def _pair_tensors(
     weights = {}
     for (layer, module), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{set(pair).pop()} without its pair")
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: layer {layer} {module} has lora_{set(pair).pop()} without its pair"
+            )
         weights[(layer, module)] = (pair["A"], pair["B"])
     if not weights:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: adapter_model.safetensors holds no LoRA weights")

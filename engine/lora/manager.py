@@ -49,7 +49,9 @@ class LoRAManager:
         """Forget an adapter; refused while a running request holds it."""
         held = sum(1 for n in self._holders.values() if n == name)
         if held:
-            raise LoRAAdapterError(f"LoRA adapter {name!r} is in use by {held} running requests: retry when they finish")
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r} is in use by {held} running requests: retry when they finish"
+            )
         self.adapters.pop(name, None)
         slot = self.resident.pop(name, None)
         if slot is not None:

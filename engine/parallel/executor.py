@@ -112,7 +112,12 @@ class ParallelExecutor:
         return executor
 
     def _start(
-        self, config: EngineConfig, source: ModelSource, arch: ModelArchConfig, device: torch.device, model: CausalLM | None
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        arch: ModelArchConfig,
+        device: torch.device,
+        model: CausalLM | None,
     ) -> None:
         timeout = datetime.timedelta(seconds=config.parallel.distributed_timeout_s)
         self.store = store = host_store(_HOST, self.topology.world_size, timeout)
@@ -186,7 +191,9 @@ class ParallelExecutor:
         self._guard(lambda: channel.send(Kind.INIT, encode_init(init)))
         self.stage = StageRunner(model, ctx, num_blocks, block_size, max_model_len, self.dtype, kv_cache_dtype)
         if self.transfer_mirror:
-            assert self.topology.pipeline_parallel_size == 1 and ctx.tp is not None, "config.validate refuses pp > 1 roles"
+            assert (
+                self.topology.pipeline_parallel_size == 1 and ctx.tp is not None
+            ), "config.validate refuses pp > 1 roles"
             arch = model.config
             shape = (num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
             full = [torch.zeros(shape, dtype=kv_cache_dtype, device=ctx.device) for _ in self.stage.kv_caches]

@@ -24,7 +24,9 @@ from vllm_cluster.engine.parallel.topology import kv_heads_of
 
 
 class KVMirror:
-    def __init__(self, kv_caches: list[torch.Tensor], tp: Group, num_kv_heads: int, mirror: list[torch.Tensor] | None) -> None:
+    def __init__(
+        self, kv_caches: list[torch.Tensor], tp: Group, num_kv_heads: int, mirror: list[torch.Tensor] | None
+    ) -> None:
         """`kv_caches`: this rank's shard caches; `mirror`: the full-head caches (rank 0 only)."""
         self.kv_caches = kv_caches
         self.tp = tp

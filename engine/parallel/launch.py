@@ -144,7 +144,9 @@ def make_launcher(parallel: ParallelConfig) -> WorkerLauncher:
                 f"({e}): install its dependencies (pip install ray) or use 'mp'"
             ) from e
     if name not in _LAUNCHERS:
-        raise ConfigError(f"distributed_executor_backend {name!r} is not one of {sorted({*_LAUNCHERS, *_BACKEND_MODULES})}")
+        raise ConfigError(
+            f"distributed_executor_backend {name!r} is not one of {sorted({*_LAUNCHERS, *_BACKEND_MODULES})}"
+        )
     return _LAUNCHERS[name](parallel)
 
 

@@ -44,7 +44,9 @@ def get_method(name: str, hf_config: dict[str, Any] | None = None, quantize_lm_h
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise
-        raise ConfigError(f"model.quantization: {name!r} is not available in this build ({module_name} is missing)") from None
+        raise ConfigError(
+            f"model.quantization: {name!r} is not available in this build ({module_name} is missing)"
+        ) from None
     cls = getattr(module, class_name)
     if hasattr(cls, "from_hf_config"):
         if quantize_lm_head:

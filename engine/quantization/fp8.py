@@ -38,7 +38,9 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Fp8Linear(nn.Module):
     """x [T, in_features] -> [T, out_features] with an fp8 weight and fp8 activations."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         if device.type == "cuda" and (in_features % 16 or out_features % 16):
             raise ValueError(
@@ -47,10 +49,14 @@ class Fp8Linear(nn.Module):
             )
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer(
+            "qweight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        )
         # [1, N]: the layout torch._scaled_mm takes for rowwise scale_b.
         self.register_buffer("weight_scale", torch.empty(1, out_features, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     qweight: torch.Tensor  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor  # [1, N] fp32

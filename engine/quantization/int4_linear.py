@@ -208,7 +208,9 @@ class Int4Linear(nn.Module):
     def finish_loading(self) -> None:
         """Every part's tensors arrived (g_idx may be absent without act-order)."""
         names = [n for n in self.checkpoint_names() if n != "g_idx"]
-        missing = [f"{n} of part {p}" for p in range(len(self.output_sizes)) for n in names if (n, p) not in self._loaded]
+        missing = [
+            f"{n} of part {p}" for p in range(len(self.output_sizes)) for n in names if (n, p) not in self._loaded
+        ]
         if missing:
             raise ModelLoadError(
                 f"{self.spec.method} layer (in={self.in_features}, out={self.output_sizes}): the checkpoint "

@@ -33,13 +33,17 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """x [T, in_features] -> [T, out_features] with an int8 weight."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     qweight: torch.Tensor  # [N, K] int8
     weight_scale: torch.Tensor  # [N] fp32

@@ -70,7 +70,9 @@ def paged_attention(
     return out
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """block_ids: [B, NBseq] -> k, v: [B, Hkv, NBseq * BS, D] in `dtype`, ready for attention
     (an fp8 cache's values as stored: the caller applies the scales)."""
     num_seqs, num_blocks = block_ids.shape

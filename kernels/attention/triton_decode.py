@@ -157,7 +157,9 @@ def rotary_decode_attention(
     return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new)
 
 
-def _new_partials(q: torch.Tensor, num_splits: int, head_dim_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _new_partials(
+    q: torch.Tensor, num_splits: int, head_dim_pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uninitialised split partials (max, sum, acc) for q [B, Hq, D]: fp32 [B, Hq, S], [B, Hq,
     S] and [B, Hq, S, head_dim_pad]. Every split writes its own, an empty one (-inf, 0, 0)."""
     part_max = q.new_empty((*q.shape[:2], num_splits), dtype=torch.float32)

@@ -48,11 +48,19 @@ def _block_asm(fp16: bool, multi: bool) -> str:
                 regs.append(reg)
             b = f"{{${xs + 4 * p + 2 * half}, ${xs + 4 * p + 2 * half + 1}}}"
             first = p == 0 and half == 0
-            lines.append(f"{mma} {{d0, d1, d2, d3}}, {{{', '.join(regs)}}}, {b}, {'{z, z, z, z}' if first else '{d0, d1, d2, d3}'};")
+            lines.append(
+                f"{mma} {{d0, d1, d2, d3}}, {{{', '.join(regs)}}}, {b}, "
+                f"{'{z, z, z, z}' if first else '{d0, d1, d2, d3}'};"
+            )
             if multi:
-                lines.append(f"{mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {'{z, z, z, z}' if first else '{e0, e1, e2, e3}'};")
+                lines.append(
+                    f"{mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, "
+                    f"{'{z, z, z, z}' if first else '{e0, e1, e2, e3}'};"
+                )
     if not multi:  # X: one MMA over the lanes' shares, then the 8 columns added across t
-        lines.append(f"{mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {{${x_share}, ${x_share + 1}}}, {{z, z, z, z}};")
+        lines.append(
+            f"{mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {{${x_share}, ${x_share + 1}}}, {{z, z, z, z}};"
+        )
         lines.append("add.f32 x, e0, e1;")
         for mask in (1, 2):
             lines.append(f"shfl.sync.bfly.b32 s, x, {mask}, 0x1f, 0xffffffff; add.f32 x, x, s;")
@@ -69,7 +77,13 @@ def _block_asm(fp16: bool, multi: bool) -> str:
 
 ASM = {(fp16, multi): _block_asm(fp16, multi) for fp16 in (False, True) for multi in (False, True)}
 CONSTRAINTS = {
-    multi: ",".join(["=f"] * (4 if multi else 2) + ["r"] * 8 + ["f"] * 2 + ["r"] * (16 if multi else 18) + ["f"] * (6 if multi else 4))
+    multi: ",".join(
+        ["=f"] * (4 if multi else 2)
+        + ["r"] * 8
+        + ["f"] * 2
+        + ["r"] * (16 if multi else 18)
+        + ["f"] * (6 if multi else 4)
+    )
     for multi in (False, True)
 }
 

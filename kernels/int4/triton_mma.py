@@ -180,7 +180,8 @@ def _pairs_mma_kernel(
     weights, block_halves = _block_halves(halves_ptr, rows_n, offs_c, stride_hn, TILED)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PDL and EARLY:
-        early = tl.load(weights + first * block_halves, mask=first < last, other=0)  # weights: no kernel of the chain writes them
+        # weights: no kernel of the chain writes them
+        early = tl.load(weights + first * block_halves, mask=first < last, other=0)
         gdc_wait()  # launched while the kernel before ends; x is its output (kernels/sync/pdl.py)
         if first < last:
             acc = _block_product(
@@ -192,8 +193,8 @@ def _pairs_mma_kernel(
         gdc_wait()
     for block in tl.range(first, last, num_stages=NUM_STAGES):
         acc = _block_product(
-            acc, tl.load(weights + block * block_halves), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr, qzeros_ptr, N,
-            group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
+            acc, tl.load(weights + block * block_halves), block, x_rows, mask_m, rows_n, zero_shift, scales_ptr,
+            qzeros_ptr, N, group_size, ZERO_OFFSET, BLOCK_M, GROUP_P, PTX, FP16,
         )  # fmt: skip
     reduce_splits(acc, offs_m, offs_n, M, N, stride_ym, split_k, ws_ptr, lock_ptr, bias_ptr, y_ptr, HAS_BIAS)
 
@@ -239,11 +240,11 @@ def int4_mma(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, con
     ptx = x.dtype in (torch.bfloat16, torch.float16) and not _INTERPRET
     _pairs_mma_kernel[grid](
         x, halves, qzeros, scales, bias if bias is not None else scales, workspace,
-        semaphores("int4_mma", x.device, grid[0] * grid[1]), y, m, n, k, x.stride(0), y.stride(0), k // 4 * (16 if tiled else 1),
-        group_size, config.split_k,
+        semaphores("int4_mma", x.device, grid[0] * grid[1]), y, m, n, k, x.stride(0), y.stride(0),
+        k // 4 * (16 if tiled else 1), group_size, config.split_k,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16, PDL=use_pdl,
-        EARLY=config.early, TILED=tiled,
+        GROUP_P=min(4, group_size // 32), NUM_STAGES=config.num_stages, PTX=ptx, FP16=x.dtype == torch.float16,
+        PDL=use_pdl, EARLY=config.early, TILED=tiled,
         num_warps=config.num_warps, launch_pdl=use_pdl,
     )  # fmt: skip
     return y

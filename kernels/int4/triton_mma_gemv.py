@@ -145,7 +145,8 @@ def _load_weights(step, words_lo, words_hi, qzeros_ptr, scales_ptr, row_lo, row_
         off_hi = _offset(tl.load(qzeros_ptr + zero_row + row_hi // 8), (row_hi % 8) * 4, ZERO_OFFSET, FP16)
     return (
         tl.load(words_lo + step * BLOCK_WORDS * STEP), tl.load(words_hi + step * BLOCK_WORDS * STEP), off_lo, off_hi,
-        tl.load(scales_ptr + group * N + row_lo).to(tl.float32), tl.load(scales_ptr + group * N + row_hi).to(tl.float32),
+        tl.load(scales_ptr + group * N + row_lo).to(tl.float32),
+        tl.load(scales_ptr + group * N + row_hi).to(tl.float32),
     )  # fmt: skip
 
 
@@ -177,8 +178,8 @@ def _mma_gemv_kernel(
     ss_in_ptr, rms_eps, GROUP_BLOCKS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr, TILES: tl.constexpr, UNROLL: tl.constexpr, WARPS: tl.constexpr,
     PDL: tl.constexpr, FP16: tl.constexpr, SILU_MUL: tl.constexpr, MULTI: tl.constexpr, ASM: tl.constexpr,
-    CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False, K_WARPS: tl.constexpr = 1,
-    ADD_NORM: tl.constexpr = False, RMS: tl.constexpr = False,
+    CONSTRAINTS: tl.constexpr, TILED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    K_WARPS: tl.constexpr = 1, ADD_NORM: tl.constexpr = False, RMS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (0, N block, split): 16 * TILES * WARPS / K_WARPS weight rows. Element i of the [T]
     tensors is lane i % 32 of warp (i // 32) % WARPS; i // 32 numbers (block of the step,
@@ -308,11 +309,19 @@ def pick_mma_gemv_config(
     num_tiles = triton.cdiv(n, 16)
     if k_warps is None:
         k_warps, most = 1, (WARP_SPLIT if rows == 1 else min(WARP_SPLIT, ROWS_WARP_SPLIT)) // (2 if silu_mul else 1)
-        while 2 * k_warps <= most and num_tiles * k_warps < warps_per_sm * num_sms and (k // ROW_BLOCK) % (2 * k_warps) == 0:
+        while (
+            2 * k_warps <= most
+            and num_tiles * k_warps < warps_per_sm * num_sms
+            and (k // ROW_BLOCK) % (2 * k_warps) == 0
+        ):
             k_warps *= 2
     if num_warps is None:
         num_warps = max(4, k_warps * (2 if silu_mul else 1))
-    warps = triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps, k_warps).block_n) * num_warps * triton.cdiv(rows, CHUNK_ROWS)
+    warps = (
+        triton.cdiv(n, MmaGemvConfig(tiles, 1, 1, num_warps, k_warps).block_n)
+        * num_warps
+        * triton.cdiv(rows, CHUNK_ROWS)
+    )
     if unroll is None:
         unroll = 1 if warps >= UNROLL_ONE_WARPS * num_sms else 2
     unroll, split_k = split_steps(k // k_warps, unroll, warps, num_sms, warps_per_sm, MIN_SPLIT)
@@ -364,7 +373,9 @@ def _gemv_pairs_mma(
     assert tiled == (qweight.dim() == 3), f"qweight {tuple(qweight.shape)} is not in the {weight.layout} layout"
     assert k % (ROW_BLOCK * config.unroll * config.k_warps) == 0 and qweight.numel() < 2**31, (qweight.shape, config)
     assert config.num_warps % config.k_warps == 0 and config.block_n > 0, config
-    assert not (silu_mul and tiled) or config.block_n % 32 == 0, f"{config}: SiLU-and-mul on tiles needs 2 tiles a program"
+    assert (
+        not (silu_mul and tiled) or config.block_n % 32 == 0
+    ), f"{config}: SiLU-and-mul on tiles needs 2 tiles a program"
     assert not silu_mul or (n % 2 == 0 and m == 1), f"{m} x {n}: SiLU-and-mul takes one row of [gate | up]"
     n_out = n // 2 if silu_mul else n
     assert not tiled or n_out % 16 == 0, f"tiles of 16 outputs: {n_out} outputs (gate's, with SiLU-and-mul)"

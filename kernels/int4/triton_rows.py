@@ -264,7 +264,8 @@ def gemv_rows(
     use_pdl = pdl.enabled(x)
     _rows_gemv_kernel[(1, num_blocks_n, config.split_k)](
         x, qweight, qzeros, scales, bias if bias is not None else scales, workspace,
-        semaphores("int4_gemv", x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size, config.split_k, 0x4B000000,
+        semaphores("int4_gemv", x.device, num_blocks_n), y, n, k, qweight.stride(0), group_size,
+        config.split_k, 0x4B000000,
         ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, UNROLL=config.unroll,
         GROUP_J=min(4, group_size // 32) if pairs else min(8, group_size // 16), NUM_STAGES=config.num_stages,
         PDL=use_pdl, PAIRS=pairs, PACKED=pairs and packed_math(x.dtype, group_size), FP16=x.dtype == torch.float16,

@@ -81,7 +81,9 @@ def _rows_dot_kernel(
             q = (packed >> (4 * j)) & 0xF
             w = (q - zero[:, None]).to(tl.float32) * scale[:, None]  # [BN, 16]
             x_t = tl.load(
-                x_ptr + offs_m[None, :] * stride_xm + block * 128 + 16 * j + offs_w[:, None], mask=mask_m[None, :], other=0.0
+                x_ptr + offs_m[None, :] * stride_xm + block * 128 + 16 * j + offs_w[:, None],
+                mask=mask_m[None, :],
+                other=0.0,
             )  # [16, BM]
             acc += tl.dot(w.to(x_t.dtype), x_t, input_precision=DOT_PRECISION)
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]

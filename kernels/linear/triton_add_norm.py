@@ -106,4 +106,6 @@ def store_add_norm(y, residual, offs_n, mask, h_ptr, norm_weight_ptr, hg_ptr, ss
     hf = tl.where(ok, h.to(tl.float32), 0.0)
     weight = tl.load(norm_weight_ptr + offs_n, mask=ok, other=0.0).to(tl.float32)
     tl.store(hg_ptr + offs_n, (hf * weight).to(dtype), mask=ok)
-    tl.atomic_add(ss_out_ptr, tl.sum(hf * hf, axis=0).to(tl.float64), mask=tl.full((), 1, tl.int1) & ready, sem="relaxed")
+    tl.atomic_add(
+        ss_out_ptr, tl.sum(hf * hf, axis=0).to(tl.float64), mask=tl.full((), 1, tl.int1) & ready, sem="relaxed"
+    )

@@ -36,7 +36,9 @@ def _groups(slots: torch.Tensor) -> SlotGroups:
     return [(v, (slots == v).nonzero().squeeze(1)) for v in values if v >= 0]
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None = None
+) -> torch.Tensor:
     """x: [T, K], a: [L, N, K], slots: [T] (int, -1 = none) -> s as partials [S, T, N] fp32."""
     if groups is None and x.is_cuda:
         from vllm_cluster.kernels.lora import triton_shrink_expand

@@ -130,7 +130,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, tiles: ShrinkTiles | None = None) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, tiles: ShrinkTiles | None = None
+) -> torch.Tensor:
     # x: [T, K], a: [L, N, K], slots: [T] -> [S, T, N] fp32, one partial per slice of K
     num_tokens, k = x.shape
     n = a.shape[1]

@@ -176,7 +176,9 @@ def test_cuda_llama_8b_shapes(fmt: str, k: int) -> None:
 
 @cuda_only
 @pytest.mark.parametrize("tiled", [False, True], ids=["pairs", "tiles"])
-@pytest.mark.parametrize(("k", "config"), [(4096, None), (14336, None), (1024, (1, 1, 3, 2))], ids=["o", "down", "split3"])
+@pytest.mark.parametrize(
+    ("k", "config"), [(4096, None), (14336, None), (1024, (1, 1, 3, 2))], ids=["o", "down", "split3"]
+)
 def test_cuda_int4_mma_gemv(tiled: bool, k: int, config: tuple[int, ...] | None) -> None:
     from tests.kernels.test_int4_gemv import gptq_tensors
     from vllm_cluster.kernels.int4.layouts import gptq_to_pairs, pairs_to_tiles

@@ -171,7 +171,10 @@ def test_pick_rows_config_splits_k_to_fill_the_gpu() -> None:
     # gate_up in x2 arithmetic: 128 outputs a program on 2 warps; the fp32 path keeps 64 on 4.
     wide = pick_rows_config(28672, 4096, num_sms=132, packed=True)
     assert (wide.block_n, wide.num_warps) == (128, 2)
-    assert (pick_rows_config(28672, 4096, num_sms=132).block_n, pick_rows_config(6144, 4096, 132, packed=True).block_n) == (64, 64)
+    assert (
+        pick_rows_config(28672, 4096, num_sms=132).block_n,
+        pick_rows_config(6144, 4096, 132, packed=True).block_n,
+    ) == (64, 64)
 
 
 # --- The dispatch and the layer (torch on CPU)
@@ -186,15 +189,23 @@ def test_dispatch_on_cpu_is_the_reference() -> None:
     assert torch.equal(actual, int4_reference.int4_gemm(x, gptq))
 
 
-def loaded_layer(spec: Int4Spec, in_features: int, sizes: list[int], act_order: bool = False) -> tuple[Int4Linear, torch.Tensor]:
+def loaded_layer(
+    spec: Int4Spec, in_features: int, sizes: list[int], act_order: bool = False
+) -> tuple[Int4Linear, torch.Tensor]:
     """A fused layer loaded part by part, and the reference output of its parts for one x."""
     layer = Int4Linear(spec, in_features, sizes, bias=True, dtype=torch.float32, device=torch.device("cpu"))
     x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(7))
     expected = []
     for part, size in enumerate(sizes):
         gen = torch.Generator().manual_seed(10 + part)
-        g_idx = act_order_g_idx(in_features, spec.group_size, torch.randperm(in_features, generator=gen)) if act_order else None
-        weights = quantize_rtn(torch.randn(size, in_features, generator=gen), spec.group_size, sym=False, g_idx=g_idx, min_zero=1)
+        g_idx = (
+            act_order_g_idx(in_features, spec.group_size, torch.randperm(in_features, generator=gen))
+            if act_order
+            else None
+        )
+        weights = quantize_rtn(
+            torch.randn(size, in_features, generator=gen), spec.group_size, sym=False, g_idx=g_idx, min_zero=1
+        )
         tensors = pack_gptq(weights, spec.zero_offset) if spec.method == "gptq" else pack_awq(weights)
         tensors["bias"] = torch.full((size,), float(part))
         for name, tensor in tensors.items():
@@ -283,7 +294,9 @@ def test_cuda_llama_8b_shapes(m: int, k: int, n: int) -> None:
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [128, -1], ids=["g128", "one"])
-def test_cuda_pairs_gemv_x2_math_against_fp32(dtype: torch.dtype, group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_pairs_gemv_x2_math_against_fp32(
+    dtype: torch.dtype, group_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The pairs GEMV's x2 path (products and four-term sums rounded to x's dtype) against its
     # fp32 path and the fp32 reference. Bounds: the output's own rounding is 1.6e-3 (bf16) and
     # 2e-4 (fp16) relative; x2 products and sums add about as much again (2^-9, 2^-11 a step).

@@ -115,7 +115,9 @@ def test_int4_mma(config: MmaConfig, group_size: int, zero_offset: int, m: int, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["split1", "split3", "unroll2"])
 @pytest.mark.parametrize(("group_size", "zero_offset"), [(32, 1), (128, 0), (256, 1)], ids=["g32", "g128", "g256"])
-def test_gemv_rows_on_the_pairs_layout(config: RowsGemvConfig, group_size: int, zero_offset: int, dtype: torch.dtype) -> None:
+def test_gemv_rows_on_the_pairs_layout(
+    config: RowsGemvConfig, group_size: int, zero_offset: int, dtype: torch.dtype
+) -> None:
     # The CUDA-core batch-1 GEMV (kernels/int4/triton_rows.py) reading the pairs layout; a
     # 16-bit x is read as 32-bit pairs, fp32 x element by element.
     k, n = 512, 40

@@ -78,7 +78,7 @@ code = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends"
                        "--dump-sass", path], capture_output=True, text=True, check=True).stdout
 os.remove(path)
 print(json.dumps({"asm_ops": len(asm), "layouts": used, "loop": main_loop(code), "preexit": code.count("PREEXIT")}))
-"""
+"""  # noqa: E501 (a script's text: wrapping it would change the string)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,8 @@ def test_sm90_operands_sit_in_their_lanes(
     assert loop.get("SHFL.BFLY", 0) == (0 if multi else 2 * tiles * unroll), loop
     # (k_warps > 1: the tile's warps meet in shared memory after the loop, not in it)
     assert not any(op.startswith(("BAR", "LDS", "STS", "LDGSTS")) for op in loop), loop
-    assert loop["LDG.E.128.CONSTANT" if "LDG.E.128.CONSTANT" in loop else "LDG.E.128"] >= 2 * tiles * unroll, loop  # 16-byte weight loads
+    # 16-byte weight loads
+    assert loop["LDG.E.128.CONSTANT" if "LDG.E.128.CONSTANT" in loop else "LDG.E.128"] >= 2 * tiles * unroll, loop
     # PDL: the kernel after may launch once, after the weight loop (griddepcontrol.launch_dependents)
     assert result["preexit"] == 1 and "PREEXIT" not in loop, (result["preexit"], loop)
 
@@ -210,7 +211,9 @@ def test_cuda_llama_8b_shapes_halve_the_x2_error(k: int, n: int) -> None:
 
 @cuda_only
 @pytest.mark.parametrize(
-    "config", [None, MmaGemvConfig(1, 1, 5, 8), MmaGemvConfig(1, 2, 1, 8, 8)], ids=["default", "eight-warps-split5", "eight-k-warps"]
+    "config",
+    [None, MmaGemvConfig(1, 1, 5, 8), MmaGemvConfig(1, 2, 1, 8, 8)],
+    ids=["default", "eight-warps-split5", "eight-k-warps"],
 )
 def test_cuda_silu_mul_equals_the_two_launches(config: MmaGemvConfig | None) -> None:
     k, n = 2048, 2 * 1040  # 1040 outputs: not a whole number of programs
@@ -241,7 +244,9 @@ def test_cuda_decode_dispatch_takes_it_and_the_switch_turns_it_off(monkeypatch: 
 @cuda_only
 @pytest.mark.parametrize("m", [2, 3, 8, 9, 16, 27, 32])  # past 8: programs of 8 rows, the last ragged
 @pytest.mark.parametrize(
-    "config", [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 1, 2, 8, 4)], ids=["default", "split3", "four-k-warps-split2"]
+    "config",
+    [None, MmaGemvConfig(1, 1, 3, 2), MmaGemvConfig(2, 1, 2, 8, 4)],
+    ids=["default", "split3", "four-k-warps-split2"],
 )
 def test_cuda_rows_of_x_are_the_mma_columns(m: int, config: MmaGemvConfig | None) -> None:
     k, n = 1024, 336

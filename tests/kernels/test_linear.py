@@ -75,7 +75,9 @@ def test_gemv_llama_shapes_bf16(n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("n", "k", "bias"), [(16, 64, False), (14, 100, True), (6, 2048, False)], ids=["even", "odd", "two-k"])
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(16, 64, False), (14, 100, True), (6, 2048, False)], ids=["even", "odd", "two-k"]
+)
 def test_gemv_silu_mul_equals_silu_and_mul_of_the_gemv(n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
     """What the two launches give: the halves rounded to x's dtype, silu rounded, then the
     product (the Triton silu_and_mul kernel's sequence). Equal under the interpreter; compiled,

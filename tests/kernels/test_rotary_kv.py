@@ -73,7 +73,11 @@ def test_rotary_write_kv_cache(
 
 
 def test_no_tokens() -> None:
-    q, k, v = torch.empty(0, 4, 16, device=DEVICE), torch.empty(0, 2, 16, device=DEVICE), torch.empty(0, 2, 16, device=DEVICE)
+    q, k, v = (
+        torch.empty(0, 4, 16, device=DEVICE),
+        torch.empty(0, 2, 16, device=DEVICE),
+        torch.empty(0, 2, 16, device=DEVICE),
+    )
     cache = randn(2, 2, 4, 2, 16, dtype=torch.float32)
     original = cache.clone()
     table = torch.empty(0, 8, device=DEVICE)
