@@ -46,9 +46,8 @@ memory after the loop, and then over programs, whose partials meet under a semap
 (kernels/sync/semaphores.py): llama-3.1-8b's qkv, o and down take 8 warps a tile and no split
 over programs (o 5.9 -> 4.8 us, down 12.0 -> 10.7; benchmarks/bench_int4_mma_gemv.py).
 SILU_MUL reads gate and up rows and stores silu(gate) * up, as the x2 GEMV does. Under PDL
-(kernels/sync/pdl.py) a program reads its first step's weights before it waits for x, and lets
-the kernel after launch once its weight loop is done (LATE_TRIGGER). GPU only (PTX); the
-wrapper reads only shapes: graph-capturable.
+(kernels/sync/pdl.py) a program reads its first step's weights before it waits for x, and lets the kernel
+after launch once its weight loop is done (LATE_TRIGGER). GPU only (PTX); the wrapper reads shapes only.
 """
 
 from __future__ import annotations
