@@ -2,8 +2,8 @@
 
 Every file `git ls-files` lists is read (binary files and generated protobuf code skipped),
 and each line is searched for three kinds of history that belong in git, not in the tree:
-a numbered work period ("session 12", "sprint 3"), an issue reference ("issue #35",
-"issues/35", "GH-35", a bare "#35") and a commit hash (a 7-40 character lowercase hex word
+a numbered work period ("session N", "sprint N"), an issue reference ("issue #N",
+"issues/N", "GH-N", a bare "#N") and a commit hash (a 7-40 character lowercase hex word
 with both letters and digits). A failure names every hit as file:line.
 """
 
@@ -23,7 +23,7 @@ WORK_PERIOD = re.compile(
     re.IGNORECASE,
 )
 ISSUE = re.compile(
-    # "issue 35" unless it is the verb ("a warp can issue 2 loads"), "issue #35", "issues #35".
+    # "issue N" unless it is the verb ("a warp can issue 2 loads"), "issue #N", "issues #N".
     r"\bissue #?\d+\b(?!\s+(?:[a-z]+ )?(?:loads|stores|instructions|copies|reads|writes|requests|launches)\b)"
     r"|\bissues #\d+\b|\bissues/\d+\b|\bGH-\d+\b"
     # A bare "#35": not after a word character, "&" (an HTML entity) or "/" (a URL anchor).
@@ -87,15 +87,16 @@ def tracked_text_files() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(
     "line",
     [
-        "measured in session 23",
-        "Session 22's next design",
-        "over sessions 8-12",
-        "done in sprint 3",
-        "see issue #35",
-        "issue 10 stays open",
-        "github.com/org/repo/issues/35",
-        "fixed by GH-35",
-        "as asked in #35",
+        # Built from pieces, so that this file does not itself hold what it forbids.
+        "measured in sess" + "ion 23",
+        "Sess" + "ion 22's next design",
+        "over sess" + "ions 8-12",
+        "done in spr" + "int 3",
+        "see iss" + "ue #35",
+        "iss" + "ue 10 stays open",
+        "github.com/org/repo/iss" + "ues/35",
+        "fixed by G" + "H-35",
+        "as asked in " + "#35",
         "commit bda6b60",
         "removed after (at a3a149c)",
     ],
