@@ -258,7 +258,7 @@ print(json.dumps(main_loop(sass(triton_mma._pairs_mma_kernel, signature, constex
 def test_sm90_code_of_the_ptx_conversion(fp16: bool) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = str(root)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-c", _COMPILE, str(int(fp16))],
         env=env, cwd=root, capture_output=True, text=True, timeout=300,

@@ -97,7 +97,7 @@ def test_sm90_operands_sit_in_their_lanes(
 ) -> None:  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = str(root)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-c", _COMPILE, *(str(a) for a in (tiles, unroll, warps, fp16, silu, multi, tiled, k_warps))],
         env=env, cwd=root, capture_output=True, text=True, timeout=300,
