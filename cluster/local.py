@@ -165,6 +165,8 @@ class LocalCluster:
                     "--transport", self.config.transport]
             if self.config.num_threads is not None:
                 cmd += ["--num-threads", str(self.config.num_threads)]
+            # Every instance of a local cluster runs on this machine's GPU(s).
+            cmd += ["--instances-per-gpu", str(self.config.num_prefill + self.config.num_decode)]
             if self.redis_url:
                 cmd += ["--redis-url", self.redis_url]
             if self.config.kv_faults and module == "prefill_service":

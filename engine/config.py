@@ -71,50 +71,74 @@ class ModelConfig:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"model.dtype: {self.dtype!r} is not one of {_DTYPES}")
         if self.quantization is not None and self.quantization not in METHOD_NAMES:
-            raise ConfigError(
-                f"model.quantization: {self.quantization!r} is not one of {list(METHOD_NAMES)} (or null)"
-            )
+            raise ConfigError(f"model.quantization: {self.quantization!r} is not one of {list(METHOD_NAMES)} (or null)")
 
 
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
-    # Exactly one of num_blocks / memory_fraction decides the KV cache size; num_blocks wins.
+    # The KV cache's size: the first of these that is set decides. num_blocks: exactly that
+    # many. gpu_memory_utilization (vLLM's meaning, CUDA only): the fraction of the GPU's
+    # total memory this instance may use, weights, activations and KV cache together.
+    # memory_fraction: of the memory still free once the weights are loaded. None set: the
+    # device's default (engine/resolve.py: 0.9 utilization on CUDA, memory_fraction 0.1 on CPU).
     num_blocks: int | None = None
-    memory_fraction: float = 0.1
+    gpu_memory_utilization: float | None = None
+    memory_fraction: float | None = None
     enable_prefix_caching: bool = True
     # What the KV cache stores (vLLM's kv_cache_dtype): KV_CACHE_DTYPES.
     kv_cache_dtype: str = "auto"
 
+    @property
+    def size_given(self) -> bool:
+        """Whether one of num_blocks / gpu_memory_utilization / memory_fraction is set."""
+        sizes = (self.num_blocks, self.gpu_memory_utilization, self.memory_fraction)
+        return any(size is not None for size in sizes)
+
     def validate(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"cache.kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}"
-            )
+            raise ConfigError(f"cache.kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"cache.block_size: {self.block_size} must be a power of two in [1, 256]")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"cache.num_blocks: {self.num_blocks} must be >= 1 (or unset to use memory_fraction)")
-        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ConfigError(
+                f"cache.num_blocks: {self.num_blocks} must be >= 1 (or unset to size the cache by memory)"
+            )
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"cache.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 0.95:
             raise ConfigError(f"cache.memory_fraction: {self.memory_fraction} must be in (0, 0.95]")
+        if self.gpu_memory_utilization is not None and self.memory_fraction is not None:
+            raise ConfigError(
+                "cache.gpu_memory_utilization and cache.memory_fraction are both set: keep one "
+                "(gpu_memory_utilization counts the GPU's total memory, memory_fraction what the weights left free)"
+            )
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    # Per-step token budget; a prompt longer than this is prefilled in chunks.
-    max_num_batched_tokens: int = 512
+    # None: the device's default (engine/resolve.py: larger batches on CUDA than on CPU).
+    max_num_seqs: int | None = None
+    # Per-step token budget; a prompt longer than this is prefilled in chunks. None: the
+    # device's default.
+    max_num_batched_tokens: int | None = None
     # None: the model's context length.
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
 
     def validate(self) -> None:
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError(f"scheduler.max_num_seqs: {self.max_num_seqs} must be >= 1")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"scheduler.max_num_batched_tokens: {self.max_num_batched_tokens} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"scheduler.max_model_len: {self.max_model_len} must be >= 1")
+
+    def batch_limits(self) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens), once the device's defaults are in (engine/resolve.py)."""
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            raise AssertionError("scheduler limits read before the device's defaults were filled in")
+        return self.max_num_seqs, self.max_num_batched_tokens
 
 
 @dataclass(slots=True)

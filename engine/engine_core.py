@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         """`model`: weights already loaded for the same config.model (reused, not copied)."""
-        self.config = config
         self.role = config.role
         parts = start_engine(config, model)
+        self.config = config = parts.config  # with the device's defaults filled in
         self.source, self.model, self.executor = parts.source, parts.model, parts.executor
         self.device, self.dtype, self.kv_cache_dtype = parts.device, parts.dtype, parts.kv_cache_dtype
         self.vocab_size, self.eos_token_id = parts.arch.vocab_size, parts.arch.eos_token_id
@@ -75,7 +75,7 @@ class EngineCore:
 
     def _start_lora(self, arch: ModelArchConfig) -> None:
         sched = self.config.scheduler
-        max_num_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs)
+        max_num_tokens = max(sched.batch_limits())
         self.lora = LoRAManager(self.config.lora, self.model, self.dtype, self.device, max_num_tokens)
         self.scheduler.lora_slots = self.lora
         self._arch = arch

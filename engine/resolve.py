@@ -1,10 +1,10 @@
-"""What an engine config resolves to on this machine: the device, the dtype, the KV cache's
-dtype, the context length it serves, the memory its KV cache may take, whether steps run
-ahead (async)."""
+"""What an engine config resolves to on this machine: the device, the sizes it leaves to the
+device's defaults, the dtype, the KV cache's dtype, the context length it serves, whether
+steps run ahead (async). (The KV cache's memory: engine/memory.py.)"""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import torch
 
@@ -20,6 +20,44 @@ def use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
         return config.async_scheduling
     # On CPU every op runs when called: nothing to overlap with.
     return device.type == "cuda" and config.role != EngineRole.PREFILL and config.parallel.world_size == 1
+
+
+# What a config leaves unset (None), per device. CUDA: the batch limits measured best on an
+# H200 (docs/benchmarks.md, "Defaults on GPU"; vLLM uses 256-1024 sequences and 8192-16384
+# tokens on H100-class GPUs) and most of the GPU for this instance. CPU: a few cores' worth.
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceDefaults:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float | None = None  # the KV cache's size: exactly one of these two
+    memory_fraction: float | None = None
+
+
+CUDA_DEFAULTS = DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+CPU_DEFAULTS = DeviceDefaults(max_num_seqs=64, max_num_batched_tokens=512, memory_fraction=0.1)
+
+
+def with_device_defaults(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with every size it leaves unset filled in for `device`: the same defaults for
+    `LLM(...)`, a worker's YAML and a cluster's."""
+    on_cuda = device.type == "cuda"
+    cache, sched = config.cache, config.scheduler
+    if cache.gpu_memory_utilization is not None and not on_cuda:
+        raise ConfigError(
+            f"cache.gpu_memory_utilization sizes a GPU's KV cache, but this engine runs on {device}: "
+            "set cache.memory_fraction or cache.num_blocks instead"
+        )
+    defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
+    sched = dataclasses.replace(
+        sched,
+        max_num_seqs=sched.max_num_seqs or defaults.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens or defaults.max_num_batched_tokens,
+    )
+    if not cache.size_given:
+        cache = dataclasses.replace(
+            cache, gpu_memory_utilization=defaults.gpu_memory_utilization, memory_fraction=defaults.memory_fraction
+        )
+    return dataclasses.replace(config, cache=cache, scheduler=sched)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -56,17 +94,3 @@ def max_model_len(config: EngineConfig, max_position: int) -> int:
             f"scheduler.max_model_len {asked} exceeds the model's context length {max_position}: lower it"
         )
     return asked
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2

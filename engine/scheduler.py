@@ -59,6 +59,7 @@ class Scheduler:
         self, config: SchedulerConfig, max_model_len: int, kv: KVCacheManager, async_scheduling: bool = False
     ) -> None:
         self.config = config
+        self.max_num_seqs, self.max_num_batched_tokens = config.batch_limits()
         # Async scheduling (engine/async_stepper.py): a step is scheduled while the previous
         # one still runs, so `schedule` counts its tokens computed at once and a token still
         # being sampled is a placeholder (request.num_pending_tokens).
@@ -134,7 +135,7 @@ class Scheduler:
         return RequestUpdate(request, [first_token.token_id], status is not None)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
         i = 0
@@ -160,7 +161,7 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash.
         no_lora_slot: list[Request] = []
         while self.waiting and budget > 0 and not preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             if request.num_pending_tokens:  # async: preempted with a token in flight; next step
@@ -201,7 +202,7 @@ class Scheduler:
         removed, self._removed = frozenset(self._removed), set()
         return SchedulerOutput(
             scheduled=scheduled,
-            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            num_scheduled_tokens=self.max_num_batched_tokens - budget,
             removed_request_ids=removed,
         )
 

@@ -19,17 +19,18 @@ from vllm_cluster.engine.config import EngineConfig
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.engine.executor import Executor, LocalExecutor
 from vllm_cluster.engine.loader import ModelSource, load_model, resolve
+from vllm_cluster.engine.memory import activation_bytes, kv_cache_bytes
 from vllm_cluster.engine.models import CausalLM, ModelArchConfig
 from vllm_cluster.engine.models.kv_scales import warn_once_if_unscaled
 from vllm_cluster.engine.parallel.executor import ParallelExecutor
 from vllm_cluster.engine.parallel.topology import check_expert_parallel
 from vllm_cluster.engine.resolve import (
-    available_memory_bytes,
     max_model_len,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
     use_async_scheduling,
+    with_device_defaults,
 )
 
 
@@ -37,6 +38,7 @@ from vllm_cluster.engine.resolve import (
 class EngineParts:
     """What the EngineCore is built from."""
 
+    config: EngineConfig  # the one asked for, with the device's defaults filled in
     source: ModelSource
     arch: ModelArchConfig
     device: torch.device
@@ -54,28 +56,31 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
+    config = with_device_defaults(config, device)
     dtype = resolve_dtype(config.model.dtype, device)
     kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
     source = resolve(config.model)
     arch = model.config if model is not None else ModelArchConfig.from_hf_dict(source.hf_config)
     _check_split(config, source, arch)
     max_len = max_model_len(config, arch.max_position_embeddings)
-    sched = config.scheduler
-    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+    _, max_num_batched_tokens = config.scheduler.batch_limits()
+    if not config.scheduler.enable_chunked_prefill and max_num_batched_tokens < max_len:
         raise ConfigError(
-            f"without chunked prefill, scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens}) "
+            f"without chunked prefill, scheduler.max_num_batched_tokens ({max_num_batched_tokens}) "
             f"must be >= max_model_len ({max_len}): raise it, lower max_model_len, or enable chunked prefill"
         )
     executor, model = _start_executor(config, source, dtype, device, model)
     if config.cache.kv_cache_dtype != "auto":
         warn_once_if_unscaled(model.kv_scales_loaded)
     try:
-        num_blocks = _num_kv_blocks(config, executor, device, kv_cache_dtype, max_len)
+        num_blocks = _num_kv_blocks(config, executor, device, arch, dtype, kv_cache_dtype, max_len)
     except BaseException:
         executor.shutdown()
         raise
     use_async = use_async_scheduling(config, device)
-    return EngineParts(source, arch, device, dtype, kv_cache_dtype, max_len, model, executor, num_blocks, use_async)
+    return EngineParts(
+        config, source, arch, device, dtype, kv_cache_dtype, max_len, model, executor, num_blocks, use_async
+    )
 
 
 def _check_split(config: EngineConfig, source: ModelSource, arch: ModelArchConfig) -> None:
@@ -98,21 +103,33 @@ def _start_executor(
         return parallel, parallel.model
     if model is None:
         model = load_model(source, dtype, device, config.model.seed)
-    graph_batch = 0 if config.enforce_eager else config.scheduler.max_num_seqs
+    graph_batch = 0 if config.enforce_eager else config.scheduler.batch_limits()[0]
     return LocalExecutor(model, device, graph_batch), model
 
 
 def _num_kv_blocks(
-    config: EngineConfig, executor: Executor, device: torch.device, kv_cache_dtype: torch.dtype, max_len: int
+    config: EngineConfig,
+    executor: Executor,
+    device: torch.device,
+    arch: ModelArchConfig,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
+    max_len: int,
 ) -> int:
     cache = config.cache
     num_blocks = cache.num_blocks
     if num_blocks is None:
+        activations = activation_bytes(arch, config.scheduler, dtype.itemsize)
         block_bytes = executor.kv_cache_block_bytes(cache.block_size, kv_cache_dtype)
-        num_blocks = max(1, int(available_memory_bytes(device) * cache.memory_fraction) // block_bytes)
+        num_blocks = max(1, kv_cache_bytes(cache, device, activations) // block_bytes)
     if num_blocks * cache.block_size < max_len:
+        knob = (
+            "num_blocks"
+            if cache.num_blocks is not None
+            else ("gpu_memory_utilization" if cache.gpu_memory_utilization is not None else "memory_fraction")
+        )
         raise ConfigError(
             f"the KV cache holds {num_blocks * cache.block_size} tokens, fewer than max_model_len "
-            f"{max_len}: raise cache.num_blocks / cache.memory_fraction or lower scheduler.max_model_len"
+            f"{max_len}: raise cache.{knob} or lower scheduler.max_model_len"
         )
     return num_blocks

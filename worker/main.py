@@ -16,6 +16,7 @@ import grpc
 from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.engine_core import EngineCore
 from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.resolve import CUDA_DEFAULTS, resolve_device
 from vllm_cluster.engine.tokenizer import load_tokenizer
 from vllm_cluster.kv_index import BlockEventPublisher
 from vllm_cluster.kv_transfer import faults
@@ -33,6 +34,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default="ucx", choices=["ucx", "nccl", "cuda_ipc"])
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (overrides the config)")
+    parser.add_argument("--instances-per-gpu", type=int, default=1,
+                        help="instances sharing this GPU: where the config sets no KV cache size, each takes "
+                             "this share of the default gpu_memory_utilization")
     parser.add_argument("--redis-url", default="",
                         help="publish prefix-cache block events to this Redis (empty: don't)")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -53,9 +57,19 @@ def build_engine(args: argparse.Namespace, role: EngineRole) -> tuple[EngineCore
     config = EngineConfig.from_yaml(args.config).with_overrides(role=role)
     if args.num_threads is not None:
         config = config.with_overrides(num_threads=args.num_threads)
+    config = share_gpu(config, args.instances_per_gpu)
     core = EngineCore(config)
     path = core.source.tokenizer_path
     return core, (load_tokenizer(path) if path is not None else None)
+
+
+def share_gpu(config: EngineConfig, instances_per_gpu: int) -> EngineConfig:
+    """On CUDA, with no KV cache size in `config`: the default utilization split evenly
+    between the instances sharing the GPU (their fractions must add up to at most 1)."""
+    if instances_per_gpu <= 1 or config.cache.size_given or resolve_device(config.device).type != "cuda":
+        return config
+    assert CUDA_DEFAULTS.gpu_memory_utilization is not None
+    return config.with_overrides(gpu_memory_utilization=CUDA_DEFAULTS.gpu_memory_utilization / instances_per_gpu)
 
 
 def cluster_token() -> str:

@@ -167,7 +167,7 @@ def test_bad_checkpoint_scale_is_refused(plain_checkpoint: tuple, tmp_path) -> N
 
 def test_fp8_doubles_the_blocks_of_a_16_bit_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same memory budget (memory_fraction of a fixed amount) holds twice the blocks."""
-    monkeypatch.setattr("vllm_cluster.engine.startup.available_memory_bytes", lambda device: 256 * 2**20)
+    monkeypatch.setattr("vllm_cluster.engine.memory.available_memory_bytes", lambda device: 256 * 2**20)
     options = dict(load_format="dummy", dtype="bfloat16", device="cpu", memory_fraction=0.25, max_model_len=512,
                    hf_overrides={"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512})

@@ -81,6 +81,11 @@ def test_unknown_section_key_is_named(tmp_path: Path) -> None:
         ({"cache": {"num_blocks": 0}}, r"cache\.num_blocks: 0"),
         ({"cache": {"memory_fraction": 1.5}}, r"cache\.memory_fraction: 1\.5"),
         ({"cache": {"memory_fraction": 0.0}}, r"cache\.memory_fraction: 0\.0"),
+        ({"cache": {"gpu_memory_utilization": 1.2}}, r"cache\.gpu_memory_utilization: 1\.2 must be in \(0, 1\]"),
+        (
+            {"cache": {"gpu_memory_utilization": 0.5, "memory_fraction": 0.5}},
+            "gpu_memory_utilization and cache.memory_fraction are both set: keep one",
+        ),
         ({"scheduler": {"max_num_seqs": 0}}, r"scheduler\.max_num_seqs: 0"),
         ({"scheduler": {"max_num_batched_tokens": 0}}, r"scheduler\.max_num_batched_tokens: 0"),
         ({"scheduler": {"max_model_len": 0}}, r"scheduler\.max_model_len: 0"),
@@ -130,7 +135,7 @@ def test_from_kwargs_routes_flat_options_to_their_sections() -> None:
     assert (config.cache.block_size, config.cache.num_blocks) == (32, 100)
     assert (config.scheduler.max_num_seqs, config.scheduler.max_model_len) == (4, 256)
     assert (config.device, config.role, config.num_threads) == ("cpu", "prefill", 1)
-    assert config.scheduler.max_num_batched_tokens == 512
+    assert config.scheduler.max_num_batched_tokens is None  # left to the device's default
 
 
 def test_from_kwargs_rejects_unknown_and_bad_options() -> None:
