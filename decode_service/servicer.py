@@ -5,12 +5,14 @@ Lifecycle of a request here:
   1. `Reserve`: match the prompt against our prefix cache, allocate blocks for the rest
      (TRANSFERRING, under a lease), tell the KV receiver to expect the blocks that must
      travel, answer with the block ids, our KV endpoint and layout. No room ->
-     RESOURCE_EXHAUSTED, and the router tries another instance.
+     RESOURCE_EXHAUSTED, and the router tries another instance (also when the instance has
+     as many streams open as its server allows, so its Stats and health calls always run).
   2. Prefill pushes the KV straight into those blocks.
   3. `Decode` (server-streaming): with a first token, wait until every expected block has
      landed; then the request joins the running batch with that token. Without one (prefill
      skipped or failed), or when the KV does not arrive in time under policy `recompute`,
-     decode computes the prompt itself. Tokens stream out until a finish reason.
+     decode computes the prompt itself. Tokens stream out until a finish reason; those
+     that piled up while the stream was sending travel as one message.
   4. `Release`, a lease that runs out, or the Decode caller going away aborts the request;
      the receiver stops writing into its blocks before they are freed.
 Invariant: a block is freed only after the receiver guarantees nothing more lands in it.
@@ -39,7 +41,7 @@ from vllm_cluster.worker.convert import (
     worker_stats_to_proto,
 )
 from vllm_cluster.worker.lora_admin import load_lora_adapter, unload_lora_adapter
-from vllm_cluster.worker.rpc import abort
+from vllm_cluster.worker.rpc import StreamSlots, abort
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +63,16 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self._lock = threading.Lock()
         # Reserved, Decode not yet called: the stream, and whether logprobs were asked for.
         self._streams: dict[str, tuple[RequestStream, bool]] = {}
+        # One per reservation, from Reserve until its Decode stream ends (or it goes unused).
+        self.slots = StreamSlots()
 
     def before_abort(self, request_id: str) -> None:
         """Runs on the engine thread before a request's blocks are freed."""
         self._receiver.cancel(request_id)
         with self._lock:
-            self._streams.pop(request_id, None)
+            unused = self._streams.pop(request_id, None)
+        if unused is not None:
+            self.slots.release()
 
     def Reserve(self, msg: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.Reservation:
         problem = self._loop.problem()
@@ -77,11 +83,16 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         except InvalidRequestError as e:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         lease_s = msg.lease_s or self._default_lease_s
+        if not self.slots.acquire():
+            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"this decode instance has {self.slots.limit} streams open, its limit: try another instance")
         try:
             result = self._loop.reserve(request, lease_s)
         except InvalidRequestError as e:
+            self.slots.release()
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if result is None:
+            self.slots.release()
             abort(context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no room for {request.num_prompt_tokens} prompt tokens in this decode instance's "
@@ -113,7 +124,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"no reservation for request {request_id!r}: it expired, was released, or was never made",
             )
-        stream, with_logprobs = reserved
+        try:
+            yield from self._decode(msg, context, *reserved)
+        finally:
+            self.slots.release()
+
+    def _decode(
+        self, msg: pb.DecodeRequest, context: grpc.ServicerContext, stream: RequestStream, with_logprobs: bool
+    ) -> Iterator[pb.GenerateResponse]:
+        request_id = msg.request_id
         timeout_s = msg.transfer_timeout_s or self._default_transfer_timeout_s
         self._loop.call(lambda core: core.extend_lease(request_id, timeout_s + self._default_lease_s))
         context.add_callback(lambda: self._loop.abort(request_id))  # no-op once finished
@@ -139,7 +158,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             abort(context, grpc.StatusCode.NOT_FOUND, f"request {request_id!r} was aborted before decoding started")
         landed = time.monotonic()
         first = True
-        for delta in stream:
+        for delta in stream.coalesced():
             response = delta_to_proto(request_id, delta)
             if first:
                 response.timings.transfer_s = transfer_s

@@ -216,6 +216,10 @@ class EngineConfig:
     # (engine/async_stepper.py). None: on for CUDA on one process outside the prefill role,
     # off on CPU (where nothing runs ahead of the host, so it cannot pay).
     async_scheduling: bool | None = None
+    # Servers: a stream gets a request's new tokens once this many have piled up (the first
+    # and the last at once), as SGLang's --stream-interval. 1: every token as it comes;
+    # larger: fewer, larger messages and less host work per token with many streams open.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, EngineRole):
@@ -233,6 +237,8 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: {self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval: {self.stream_interval} must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads: {self.num_threads} must be >= 1")
         if self.async_scheduling and (self.role == EngineRole.PREFILL or self.parallel.world_size > 1):

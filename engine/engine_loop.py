@@ -5,9 +5,10 @@ Lifecycle of a request in the loop:
   1. `add` (or `reserve`, decode role) registers a RequestStream and hands the request to
      the engine thread; nothing else ever touches the EngineCore.
   2. The engine thread steps while there is work; each step's updates become StreamDeltas
-     (new tokens, new text, logprobs) on the request's stream. Stop strings are found here
-     and finish the request in the core; text that might be the start of a stop string is
-     held back until it is known not to be one.
+     (new tokens, new text, logprobs) on the request's stream: the first token at once,
+     later ones once `stream_interval` of them have piled up (EngineConfig), the last at
+     once. Stop strings are found here and finish the request in the core; text that might
+     be the start of a stop string is held back until it is known not to be one.
   3. The last delta of a stream has `finish_reason` set ("stop", "length", "abort"). An
      abort from any thread (`abort`) ends the stream with "abort" and frees its blocks.
   4. Decode role: reservations whose lease ran out are aborted by the loop, after the
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from vllm_cluster.engine.detokenizer import IncrementalDetokenizer
@@ -56,6 +57,15 @@ class StreamDelta:
     queue_s: float = 0.0  # arrival -> first scheduled (0 until then)
     error: str | None = None  # why an aborted stream ended, when not asked to by a client
 
+    def then(self, later: StreamDelta) -> StreamDelta:
+        """This delta followed by `later`, as one: tokens, text and logprobs joined, the
+        rest as of `later`."""
+        return StreamDelta(
+            self.token_ids + later.token_ids, self.text + later.text, self.logprobs + later.logprobs,
+            later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.num_output_tokens,
+            later.num_cached_tokens, later.queue_s or self.queue_s, later.error,
+        )  # fmt: skip
+
 
 class RequestStream:
     """Deltas of one request, in order; iterate it from one consumer thread."""
@@ -79,6 +89,21 @@ class RequestStream:
             if delta.finish_reason is not None:
                 return
 
+    def coalesced(self) -> Iterator[StreamDelta]:
+        """Like iterating, but every delta that has piled up while the consumer was busy
+        comes as one: a consumer slower than the engine's steps (a server streaming many
+        requests) sends fewer, larger messages instead of falling further behind."""
+        while True:
+            delta = self._queue.get()
+            while delta.finish_reason is None:
+                try:
+                    delta = delta.then(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -88,6 +113,8 @@ class _Tracked:
     num_sent_chars: int = 0
     num_sent_logprobs: int = 0
     hold_back_chars: int = 0  # longest stop string - 1
+    unsent: list[int] = field(default_factory=list)  # tokens waiting for the stream interval
+    num_sent_tokens: int = 0
 
 
 class EngineLoop:
@@ -108,6 +135,7 @@ class EngineLoop:
         # Refreshed by the engine thread after every iteration: readers never wait for a step
         # (a long prefill step must not make health checks time out).
         self._stats: EngineStats = core.stats()
+        self._stream_interval = core.config.stream_interval
         self.stall_timeout_s = stall_timeout_s
         self._iteration_started = time.monotonic()
         self._error: BaseException | None = None  # why the engine thread died
@@ -202,7 +230,7 @@ class EngineLoop:
         request = self.core.abort(request_id)
         self._stats = self.core.stats()  # before the stream ends: its reader may check stats next
         if tracked is not None:
-            tracked.stream.put(self._delta(tracked, [], "abort", None, error=error))
+            tracked.stream.put(self._delta(tracked, "abort", None, error=error))
         return request is not None
 
     def _run(self) -> None:
@@ -213,7 +241,7 @@ class EngineLoop:
             self._error = e
             for request_id, tracked in list(self._tracked.items()):
                 del self._tracked[request_id]
-                tracked.stream.put(self._delta(tracked, [], "abort", None, error=f"the engine loop died: {e!r}"))
+                tracked.stream.put(self._delta(tracked, "abort", None, error=f"the engine loop died: {e!r}"))
             self._fail_commands()
 
     def _fail_commands(self) -> None:
@@ -268,7 +296,11 @@ class EngineLoop:
                 finish_reason = "stop" if stop is not None else update.request.status.finish_reason
                 stop_reason = stop if stop is not None else update.request.stop_reason
                 del self._tracked[request_id]
-            outgoing.append((tracked.stream, self._delta(tracked, update.new_token_ids, finish_reason, stop_reason)))
+            tracked.unsent += update.new_token_ids
+            first = tracked.num_sent_tokens == 0
+            if finish_reason is None and not first and len(tracked.unsent) < self._stream_interval:
+                continue  # the stream interval: these go with the next ones
+            outgoing.append((tracked.stream, self._delta(tracked, finish_reason, stop_reason)))
         if any(delta.finish_reason is not None for _, delta in outgoing):
             self._stats = self.core.stats()  # before a stream ends: its reader may check stats next
         for stream, delta in outgoing:
@@ -277,12 +309,14 @@ class EngineLoop:
     def _delta(
         self,
         tracked: _Tracked,
-        token_ids: list[int],
         finish_reason: str | None,
         stop_reason: int | str | None,
         error: str | None = None,
     ) -> StreamDelta:
+        """Everything of `tracked` not sent yet: its unsent tokens, their text and logprobs."""
         request = tracked.request
+        token_ids, tracked.unsent = tracked.unsent, []
+        tracked.num_sent_tokens += len(token_ids)
         text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
         # Hold back what could still turn out to be the start of a stop string.
         end = (
@@ -296,7 +330,7 @@ class EngineLoop:
         tracked.num_sent_logprobs = len(request.output_logprobs)
         started = request.first_scheduled_time
         return StreamDelta(
-            token_ids=list(token_ids),
+            token_ids=token_ids,
             text=new_text,
             logprobs=list(logprobs),
             finish_reason=finish_reason,

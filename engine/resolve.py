@@ -22,9 +22,11 @@ def use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda" and config.role != EngineRole.PREFILL and config.parallel.world_size == 1
 
 
-# What a config leaves unset (None), per device. CUDA: the batch limits measured best on an
-# H200 (docs/benchmarks.md, "Defaults on GPU"; vLLM uses 256-1024 sequences and 8192-16384
-# tokens on H100-class GPUs) and most of the GPU for this instance. CPU: a few cores' worth.
+# What a config leaves unset (None), per device. CUDA: batch limits at the low end of vLLM's
+# for H100-class GPUs (256-1024 sequences, 8192-16384 tokens; on an H200, 512 mixed-length
+# requests to llama-3.1-8b ran 1.9x faster at 256 / 8192 than at 64 / 512;
+# benchmarks/bench_gpu_defaults.py compares larger limits), and most of the GPU for this
+# instance. CPU: a few cores' worth.
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeviceDefaults:
     max_num_seqs: int

@@ -49,6 +49,7 @@ from vllm_cluster.router.policy import should_skip_prefill
 from vllm_cluster.router.registry import Instance, Registry
 from vllm_cluster.worker.convert import sampling_params_from_proto
 from vllm_cluster.worker.router_config import RouterConfig
+from vllm_cluster.worker.rpc import StreamSlots
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,14 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._max_model_len = max_model_len
         self._active: dict[str, Handoff] = {}
         self._lock = threading.Lock()
+        self.streams = StreamSlots()
 
     # ---- client API
 
     def Generate(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        if not self.streams.acquire():
+            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"this router has {self.streams.limit} streams open, its limit: retry later, or run more routers")
         arrival = time.monotonic()
         tracked = self.metrics.start_request(arrival)
         code = "CANCELLED"  # closed before its end: the client went away
@@ -100,6 +105,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
             raise
         finally:
             tracked.end(code)
+            self.streams.release()
 
     def _generate(
         self, msg: pb.GenerateRequest, context: grpc.ServicerContext, arrival: float

@@ -31,6 +31,14 @@ TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `
 API_KEY_ENV = "VLLM_API_KEY"  # the client API key when router.api_key is empty (vLLM's name)
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+# A synchronous gRPC server runs each call on a thread of its pool, and a streaming call
+# holds its thread until the stream ends. The pool is sized far above any batch (threads
+# start only when needed), and servers refuse streams beyond MAX_STREAMS (StreamSlots), so
+# unary calls (the router's Stats polls, health checks, aborts) always find a thread: load
+# is never mistaken for failure.
+MAX_WORKERS = 1024
+MAX_STREAMS = MAX_WORKERS - 64
+
 # Prompts and streamed responses can exceed gRPC's 4 MiB default.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -73,7 +81,7 @@ def make_server(
     address: str,
     service_names: Iterable[str],
     token: str | None = None,
-    max_workers: int = 64,
+    max_workers: int = MAX_WORKERS,
     api_key: str | None = None,
     tls: tuple[Path, Path] | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
@@ -115,6 +123,28 @@ def make_server(
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return server, port, health_servicer
+
+
+class StreamSlots:
+    """A server's open streams, at most `limit`: `acquire` is False once they are all taken
+    (the caller refuses the call with RESOURCE_EXHAUSTED, which says to retry or go elsewhere)."""
+
+    def __init__(self, limit: int = MAX_STREAMS) -> None:
+        self.limit = limit
+        self.open = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self.open >= self.limit:
+                return False
+            self.open += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            assert self.open > 0, "released a stream slot never acquired"
+            self.open -= 1
 
 
 class _TokenAttach(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

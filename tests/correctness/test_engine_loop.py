@@ -32,6 +32,23 @@ def test_stream_adds_up_to_generate(loop: EngineLoop, smollm2: LLM) -> None:
         assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 10
 
 
+def test_a_stream_interval_sends_tokens_in_groups_that_add_up_the_same(smollm2: LLM) -> None:
+    tok = smollm2.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, logprobs=1)
+    expected = smollm2.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+    grouped = EngineLoop(smollm2.derive(stream_interval=4).core, tok)
+    try:
+        deltas = list(grouped.add(grouped.core.make_request("g", tok.encode("The capital of France is"), params)))
+    finally:
+        grouped.stop()
+    # The first token at once (time to first token), then groups of 4, the rest with the finish.
+    assert [len(d.token_ids) for d in deltas] == [1, 4, 4, 2]
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == expected.token_ids
+    assert deltas[-1].finish_reason == "length"
+
+
 def test_stop_string_is_never_streamed(loop: EngineLoop, smollm2: LLM) -> None:
     tok = smollm2.get_tokenizer()
     probe = smollm2.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
