@@ -1,8 +1,8 @@
 """Where a request's legs run: the prefix overlap of its prompt, the instances of a role
 ranked by the routing policy, and the reservation on a decode instance.
 
-`reserve` tries the ranked decode instances in turn; RESOURCE_EXHAUSTED moves on to the
-next, UNAVAILABLE marks the instance unhealthy. When every healthy one is full the request
+`reserve` tries the ranked decode instances in turn; RESOURCE_EXHAUSTED (or a Reserve too
+slow to answer) moves on to the next, UNAVAILABLE marks the instance unhealthy. When every healthy one is full the request
 waits in the bounded admission queue (router/admission.py) until a request leaves a decode
 instance (`room_freed`) or `queue_timeout_s` passes; beyond `max_queued_requests` it is
 shed at once with RESOURCE_EXHAUSTED, so the requests already admitted keep their latency.
@@ -28,7 +28,9 @@ from vllm_cluster.router.policy import PrefixWeights, rank
 from vllm_cluster.router.registry import Instance, Registry
 from vllm_cluster.worker.router_config import RouterConfig
 
-_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# Full (RESOURCE_EXHAUSTED), too busy to answer in time (DEADLINE_EXCEEDED: load, counted as
+# full, never as down), or down (UNAVAILABLE): the next instance is tried.
+_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
 
 class Placement:

@@ -1,8 +1,11 @@
 """The instances the router knows, their gRPC stubs, and their health and load.
 
-A poller thread asks every instance for Stats each `interval_s`; an instance that fails to
-answer is unhealthy until it answers again. The router's own in-flight count per instance
-is kept here too: it is fresh where polled stats lag.
+A poller thread asks every instance for Stats each `interval_s`, all at once. Health
+measures liveness, not speed: a poll that misses its deadline makes an instance "slow"
+(still routed to), and only MISSES_BEFORE_DEAD misses in a row, or an answer that says it
+cannot serve or cannot be reached (UNAVAILABLE and the like), make it unhealthy, until it
+answers again. The router's own in-flight count per instance is kept here too: it is fresh
+where polled stats lag.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from vllm_cluster.worker.rpc import make_channel
 
 logger = logging.getLogger(__name__)
 
+MISSES_BEFORE_DEAD = 3  # Stats polls in a row that miss their deadline
+
 
 @dataclass
 class Instance:
@@ -33,10 +38,11 @@ class Instance:
     healthy: bool = False
     stats: pb.WorkerStats = field(default_factory=pb.WorkerStats)
     num_inflight: int = 0
+    missed_polls: int = 0  # in a row; reset by an answer
 
     @property
     def index_id(self) -> str:
-        """This instance's id in the prefix index (see proto.worker_main.instance_id)."""
+        """This instance's id in the prefix index (see worker.main.instance_id)."""
         return f"{self.role}@{self.address}"
 
     def load(self, num_cached_blocks: int = 0, lora_name: str | None = None) -> InstanceLoad:
@@ -54,7 +60,11 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, prefill: list[str], decode: list[str], token: str | None, interval_s: float = 0.5) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], token: str | None, interval_s: float = 0.5,
+        poll_timeout_s: float | None = None,
+    ) -> None:
+        """`poll_timeout_s`: a Stats poll's deadline (default: 4 intervals, at least 2 s)."""
         self._lock = threading.Lock()
         self.instances: dict[str, Instance] = {}
         for role, addresses, stub_type in (
@@ -66,6 +76,7 @@ class Registry:
                 name = f"{role}-{i}"
                 self.instances[name] = Instance(name, role, address, channel, stub_type(channel))
         self._interval_s = interval_s
+        self._poll_timeout_s = poll_timeout_s if poll_timeout_s is not None else max(2.0, interval_s * 4)
         self._stopped = threading.Event()
         self.poll()
         self._thread = threading.Thread(target=self._poll_forever, name="registry-poll", daemon=True)
@@ -102,20 +113,33 @@ class Registry:
             instance.healthy = False
 
     def poll(self) -> None:
-        for instance in list(self.instances.values()):
+        timeout_s = self._poll_timeout_s
+        calls = [(i, i.stub.Stats.future(pb.StatsRequest(), timeout=timeout_s)) for i in list(self.instances.values())]
+        for instance, call in calls:
             try:
-                stats = instance.stub.Stats(pb.StatsRequest(), timeout=max(2.0, self._interval_s * 4))
+                stats = call.result()
             except grpc.RpcError as e:
-                if instance.healthy:
-                    logger.warning("%s at %s is unhealthy: %s", instance.name, instance.address, e.code())
-                with self._lock:
-                    instance.healthy = False
+                self._missed(instance, e.code())
                 continue
             with self._lock:
                 if not instance.healthy:
                     logger.info("%s at %s is healthy", instance.name, instance.address)
                 instance.healthy = True
+                instance.missed_polls = 0
                 instance.stats = stats
+
+    def _missed(self, instance: Instance, code: grpc.StatusCode) -> None:
+        with self._lock:
+            instance.missed_polls += 1
+            slow = code == grpc.StatusCode.DEADLINE_EXCEEDED and instance.missed_polls < MISSES_BEFORE_DEAD
+            if slow:
+                logger.info("%s at %s is slow: %d Stats polls in a row missed their deadline",
+                            instance.name, instance.address, instance.missed_polls)
+                return
+            if instance.healthy:
+                logger.warning("%s at %s is unhealthy: %s (%d polls in a row unanswered)",
+                               instance.name, instance.address, code, instance.missed_polls)
+            instance.healthy = False
 
     def _poll_forever(self) -> None:
         while not self._stopped.wait(self._interval_s):
