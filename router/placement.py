@@ -2,10 +2,11 @@
 ranked by the routing policy, and the reservation on a decode instance.
 
 `reserve` tries the ranked decode instances in turn; RESOURCE_EXHAUSTED (or a Reserve too
-slow to answer) moves on to the next, UNAVAILABLE marks the instance unhealthy. When every healthy one is full the request
-waits in the bounded admission queue (router/admission.py) until a request leaves a decode
-instance (`room_freed`) or `queue_timeout_s` passes; beyond `max_queued_requests` it is
-shed at once with RESOURCE_EXHAUSTED, so the requests already admitted keep their latency.
+slow to answer) moves on to the next, UNAVAILABLE marks the instance unhealthy. When every
+healthy one is full the request waits in the bounded admission queue (router/admission.py)
+until a request leaves a decode instance (`room_freed`) or `queue_timeout_s` passes; beyond
+`max_queued_requests` it is shed at once with RESOURCE_EXHAUSTED, so the requests already
+admitted keep their latency.
 """
 
 from __future__ import annotations
