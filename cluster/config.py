@@ -80,6 +80,10 @@ class ClusterConfig:
     # "": start a Ray on this machine (loopback); "auto" or "host:port": join that cluster.
     ray_address: str = ""
     router_num_cpus: float = 0.25  # the router actor's CPU share
+    # Self-healing (cluster/restarts.py): a process that exits on its own is started again,
+    # at most max_restarts times (0: never), after restart_backoff_s, doubled each time.
+    max_restarts: int = 5
+    restart_backoff_s: float = 1.0
 
     def validate(self) -> None:
         if not _NAME.match(self.name):
@@ -101,6 +105,10 @@ class ClusterConfig:
                 Faults.parse(self.kv_faults)
             except ValueError as e:
                 raise ConfigError(f"cluster.kv_faults: {e}") from e
+        if self.max_restarts < 0:
+            raise ConfigError(f"cluster.max_restarts: {self.max_restarts} must be >= 0 (0: never restart)")
+        if self.restart_backoff_s < 0:
+            raise ConfigError(f"cluster.restart_backoff_s: {self.restart_backoff_s} must be >= 0")
         if self.router_num_cpus < 0:
             raise ConfigError(f"cluster.router_num_cpus: {self.router_num_cpus} must be >= 0")
         self.prefill.validate("cluster.prefill")

@@ -15,6 +15,7 @@ import socket
 import sys
 
 from vllm_cluster.cluster.procs import ProcessRef, terminate
+from vllm_cluster.cluster.restarts import current_process
 from vllm_cluster.cluster.state import ClusterState
 from vllm_cluster.cluster.status import find_state
 from vllm_cluster.engine.errors import ConfigError
@@ -33,7 +34,7 @@ def down_main(args: argparse.Namespace) -> int:
         terminate([state.owner], _OWNER_TIMEOUT_S)
     else:
         _stop_through_ray(state, args.grace_s)
-    survivors = terminate([r.process for r in state.processes if _is_local(r.node_ip)], args.grace_s)
+    survivors = terminate([current_process(r) for r in state.processes if _is_local(r.node_ip)], args.grace_s)
     if state.ray_head is not None:
         from vllm_cluster.cluster.ray_head import stop_head
 

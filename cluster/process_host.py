@@ -5,10 +5,12 @@ Lifecycle (the actor is created in the instance's rank-0 bundle):
   1. `start(devices)`: write the process's resolved config next to its log, start it as a
      child process (a plain `python -m prefill_service ...`, as LocalCluster does), wait
      for its ready file (or, for Redis, its port), and report the ready file's contents.
-  2. `tail(n)`, `returncode()` while it runs.
-  3. `stop(grace_s)`: SIGTERM, then SIGKILL after the grace period. `kill()`: SIGKILL now
-     (fault tests). The child gets SIGTERM from the kernel too if the actor dies
-     (PR_SET_PDEATHSIG), so killing the actor never leaves the server behind.
+  2. `tail(n)`, `returncode()`, `restarts()` while it runs. A child that exits on its own
+     is started again on the same ports by a watchdog thread (cluster/restarts.py).
+  3. `stop(grace_s)`: SIGTERM, then SIGKILL after the grace period, no restart. `kill()`:
+     SIGKILL now, as a crash would (fault tests; the watchdog restarts it). The child gets
+     SIGTERM from the kernel too if the actor dies (PR_SET_PDEATHSIG), so killing the actor
+     never leaves the server behind.
 
 A child process rather than the service's main in a thread: the workers own their signal
 handling, torch thread settings and log format, exactly as under LocalCluster, and a
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_cluster.cluster.restarts import Restart, RestartPolicy, Watchdog, same_ports
+
 _PR_SET_PDEATHSIG = 1
 _TAIL_BYTES = 3000
 
@@ -46,6 +50,8 @@ class ProcessSpec:
     config_text: str = ""
     ready_port: int = 0  # ready when this port accepts connections, not a ready file (Redis)
     startup_timeout_s: float = 300.0
+    # Started again when it exits on its own (cluster/restarts.py); max_restarts 0: never.
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +70,34 @@ class ProcessHost:
         self.log_dir = Path(spec.log_dir)
         self.log_file = self.log_dir / f"{spec.name}.log"
         self.popen: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+        self.watchdog: Watchdog | None = None
 
     def start(self, visible_devices: list[str] | None = None) -> Started:
+        """Start the process; once it is up, a watchdog starts it again whenever it exits on its own."""
+        started = self._launch(self.spec.argv, visible_devices)
+        if not started.error and self.spec.restart.max_restarts > 0 and self.watchdog is None:
+            argv = same_ports(self.spec.argv, started.info)
+            self.watchdog = Watchdog(
+                self.spec.name, self.log_dir, self.spec.restart, wait=self._wait_exit, stopping=lambda: self.stopping,
+                restart=lambda: self._relaunch(argv, visible_devices),
+            )
+        return started
+
+    def restarts(self) -> list[Restart]:
+        return [] if self.watchdog is None else list(self.watchdog.restarts)
+
+    def _wait_exit(self) -> int:
+        assert self.popen is not None
+        return self.popen.wait()
+
+    def _relaunch(self, argv: tuple[str, ...], visible_devices: list[str] | None) -> tuple[int, int]:
+        started = self._launch(argv, visible_devices)
+        if started.error:
+            raise RuntimeError(started.error)
+        return started.pid, started.start_ticks
+
+    def _launch(self, spec_argv: tuple[str, ...], visible_devices: list[str] | None) -> Started:
         from vllm_cluster.cluster.procs import ProcessRef
 
         self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # resolved configs may hold the API key
@@ -76,12 +108,12 @@ class ProcessHost:
             config_file.write_text(self.spec.config_text)
         node_ip = node_ip_address()
         argv = [a.format(python=sys.executable, config=config_file, ready=ready_file, node_ip=node_ip)
-                for a in self.spec.argv]
+                for a in spec_argv]
         env = {**os.environ, **self.spec.env}
         if visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
         cwd = self.spec.cwd if Path(self.spec.cwd).is_dir() else None
-        with open(self.log_file, "wb") as log:
+        with open(self.log_file, "ab") as log:  # a restart appends to the log of the runs before
             self.popen = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
                 preexec_fn=_die_with_parent,
@@ -90,7 +122,7 @@ class ProcessHost:
         error = self._wait_ready(ready_file)
         info = json.loads(ready_file.read_text()) if not error and not self.spec.ready_port else {}
         if error:
-            self.stop(grace_s=5.0)
+            self._end(grace_s=5.0)
         return Started(ref.pid, ref.start_ticks, node_ip, str(self.log_file), info, error)
 
     def devices(self) -> list[str]:
@@ -103,6 +135,11 @@ class ProcessHost:
         return tail_file(self.log_file, num_lines)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
+        """Stop the process for good (no restart)."""
+        self.stopping = True
+        return self._end(grace_s)
+
+    def _end(self, grace_s: float) -> int | None:
         if self.popen is None:
             return None
         if self.popen.poll() is None:
@@ -115,6 +152,7 @@ class ProcessHost:
         return self.popen.returncode
 
     def kill(self) -> None:
+        """SIGKILL, as a crash would: the watchdog starts it again."""
         if self.popen is not None and self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(timeout=30)

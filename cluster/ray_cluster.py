@@ -39,6 +39,7 @@ from vllm_cluster.cluster.config import Deployment
 from vllm_cluster.cluster.layout import InstancePlan
 from vllm_cluster.cluster.process_host import ProcessHost, ProcessSpec, RankSlot, Started
 from vllm_cluster.cluster.procs import ProcessRef
+from vllm_cluster.cluster.restarts import RestartPolicy
 from vllm_cluster.cluster.state import ClusterState, ProcessRecord
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.kv_index.redis_server import free_port
@@ -209,6 +210,7 @@ class RayCluster:
             name=name, argv=argv, env={TOKEN_ENV: self.token, **(env or {})}, log_dir=str(self.log_dir),
             cwd=str(self.cwd), config_text=config_text, ready_port=ready_port,
             startup_timeout_s=self.deployment.cluster.startup_timeout_s,
+            restart=RestartPolicy(self.deployment.cluster.max_restarts, self.deployment.cluster.restart_backoff_s),
         )
 
     def _advertised(self, started: Started) -> str:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from vllm_cluster.cluster.config_file import load_deployment
+from vllm_cluster.cluster.restarts import current_process, read_restarts
 from vllm_cluster.cluster.state import ClusterState, ProcessRecord, state_path
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.errors import ConfigError
@@ -38,6 +39,8 @@ class InstanceStatus:
     num_running: int | None = None
     num_waiting: int | None = None
     kv_cache_usage: float | None = None
+    restarts: int = 0  # started again by its watchdog (cluster/restarts.py)
+    last_exit: str = ""  # why it last exited on its own ("killed by SIGKILL"), if it did
 
 
 def find_state(args: argparse.Namespace) -> tuple[Path, ClusterState]:
@@ -67,7 +70,7 @@ def status_main(args: argparse.Namespace) -> int:
               f"Ray {state.ray_address}, logs {state.log_dir}")
         print(
             f"{'INSTANCE':<12}{'ROLE':<9}{'ADDRESS':<24}{'PID':>8}  "
-            f"{'HEALTH':<12}{'RUNNING':>8}{'WAITING':>8}{'KV USAGE':>10}"
+            f"{'HEALTH':<12}{'RUNNING':>8}{'WAITING':>8}{'KV USAGE':>10}{'RESTARTS':>10}  LAST EXIT"
         )
         for s in statuses:
             health = "SERVING" if s.healthy else ("NOT_SERVING" if s.alive else "DEAD")
@@ -75,16 +78,27 @@ def status_main(args: argparse.Namespace) -> int:
                     "-" if s.kv_cache_usage is None else f"{100 * s.kv_cache_usage:.1f}%"]
             print(
                 f"{s.name:<12}{s.role:<9}{s.address:<24}{s.pid:>8}  "
-                f"{health:<12}{load[0]:>8}{load[1]:>8}{load[2]:>10}"
+                f"{health:<12}{load[0]:>8}{load[1]:>8}{load[2]:>10}{s.restarts:>10}  {s.last_exit or '-'}"
             )
     return 0 if all(s.alive and s.healthy for s in statuses) else 1
 
 
 def probe(record: ProcessRecord, token: str) -> InstanceStatus:
-    alive = record.process.alive() if record.node_ip in ("", "127.0.0.1") else True
+    status = _probe(record, token)
+    exits = read_restarts(Path(record.log_file).parent, record.name)
+    if not exits:
+        return status
+    last = exits[-1]
+    return replace(status, restarts=sum(1 for r in exits if r.pid), last_exit=last.reason + (
+        f" ({last.error})" if last.error else ""))
+
+
+def _probe(record: ProcessRecord, token: str) -> InstanceStatus:
+    process = current_process(record)
+    alive = process.alive() if record.node_ip in ("", "127.0.0.1") else True
     if record.role == "redis":
         return InstanceStatus(
-            record.name, record.role, record.address, record.process.pid, alive, alive and _redis_ok(record.address)
+            record.name, record.role, record.address, process.pid, alive, alive and _redis_ok(record.address)
         )
     channel = make_channel(record.address, token)
     try:
@@ -98,8 +112,8 @@ def probe(record: ProcessRecord, token: str) -> InstanceStatus:
     finally:
         channel.close()
     if stats is None:
-        return InstanceStatus(record.name, record.role, record.address, record.process.pid, alive, healthy)
-    return InstanceStatus(record.name, record.role, record.address, record.process.pid, alive, healthy,
+        return InstanceStatus(record.name, record.role, record.address, process.pid, alive, healthy)
+    return InstanceStatus(record.name, record.role, record.address, process.pid, alive, healthy,
                           stats.num_running, stats.num_waiting, round(stats.kv_cache_usage, 4))
 
 

@@ -85,7 +85,7 @@ class Placement:
                     return found
                 if not full:  # UNAVAILABLE (HTTP 503): nothing up; RESOURCE_EXHAUSTED (429): all full
                     abort(context, grpc.StatusCode.UNAVAILABLE,
-                          f"no healthy decode instance ({'; '.join(down) or 'none registered'}); retry later")
+                          f"no healthy decode instance ({'; '.join(down) or self._unhealthy()}); retry later")
                 if not queued:
                     queued = self._admission.enter()
                     if not queued:
@@ -105,6 +105,10 @@ class Placement:
         finally:
             if queued:
                 self._admission.leave()
+
+    def _unhealthy(self) -> str:
+        names = [i.name for i in self._registry.of_role(EngineRole.DECODE)]
+        return f"{', '.join(names)}: not answering health polls" if names else "none registered"
 
     def _try_reserve(
         self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
