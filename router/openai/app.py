@@ -2,15 +2,15 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize,
 /detokenize, /health, /metrics, /version. Every error is vLLM's envelope
-`{"error": {"message", "type", "param", "code"}}`; 429 and 503 carry Retry-After.
-With an API key configured every route but /health needs `Authorization: Bearer <key>`.
-`X-Request-Id` is taken from the request (or made) and echoed on the response.
+`{"error": {"message", "type", "param", "code"}}` (errors.py); 429 and 503 carry Retry-After,
+405 carries Allow. Before a route runs, the guard (guard.py) checks the API key, bounds the
+body in size and time and sets X-Request-Id. /openapi.json documents every status a route
+answers (openapi.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import threading
@@ -23,12 +23,14 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
+from vllm_cluster.router.openai.errors import ApiError, error_response, invalid_body
+from vllm_cluster.router.openai.guard import Guard
+from vllm_cluster.router.openai.openapi import document, error_responses
 from vllm_cluster.router.openai.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -36,11 +38,17 @@ from vllm_cluster.router.openai.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from vllm_cluster.router.openai.serving import OpenAIServing, error_body, new_request_id
+from vllm_cluster.router.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+_UNGUARDED_PATHS = ("/health",)
+_STREAMED: dict[int | str, dict[str, Any]] = {200: {
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    "description": "The whole object, or with `stream: true` server-sent events.",
+}}
+_GENERATION_RESPONSES = {**_STREAMED, **error_responses(400, 404, 429, 503)}
 
 
 def build_app(
@@ -49,9 +57,11 @@ def build_app(
     max_request_bytes: int = 16 << 20,
     is_healthy: Callable[[], bool] = lambda: True,
     metrics: Callable[[], tuple[bytes, str]] | None = None,
+    body_timeout_s: float = 60.0,
 ) -> ASGIApp:
     """`is_healthy`: can the cluster serve (a decode instance is up)? `metrics`: the
-    Prometheus exposition (body, content type)."""
+    Prometheus exposition (body, content type). `body_timeout_s`: how long a request's body
+    may take to arrive (from the request's start) before the answer is 408."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -60,34 +70,13 @@ def build_app(
         await serving.backend.close()
 
     app = FastAPI(title="vllm-cluster", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    _handle_errors(app)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError) -> Response:
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> Response:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        message = (
-            f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", "invalid request body"))
-        )
-        return error_response(ApiError(400, message, where or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException) -> Response:
-        return error_response(ApiError(e.status_code, str(e.detail)))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> Response:
-        request_id = _request_id(request)
-        logger.exception("unexpected error serving %s (request %s)", request.url.path, request_id)
-        return error_response(
-            ApiError(500, f"internal server error; the server log has the details (request id {request_id})")
-        )
-
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The cluster can serve (an empty body)."},
+        503: {"description": "The cluster cannot serve: no decode instance is up, or the router is draining "
+                             "(an empty body)."},
+    })
     async def health() -> Response:
         return Response(status_code=200 if is_healthy() else 503)
 
@@ -95,14 +84,14 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(404))
     async def prometheus() -> Response:
         if metrics is None:
             raise ApiError(404, "metrics are not enabled on this server")
         body, content_type = metrics()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(503))
     async def models() -> dict[str, Any]:
         cards = await serving.backend.list_models()
         created = int(time.time())
@@ -112,43 +101,66 @@ def build_app(
             for c in cards
         ]}
 
-    @app.post("/v1/load_lora_adapter")
+    lora_errors = error_responses(400, 404, 409, 503)
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=lora_errors)
     async def load_lora_adapter(body: LoRAAdapterRequest) -> Response:
         await serving.backend.lora_adapter(True, body.lora_name, body.lora_path)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=lora_errors)
     async def unload_lora_adapter(body: LoRAAdapterRequest) -> Response:
         await serving.backend.lora_adapter(False, body.lora_name, "")
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.completions(body, _request_id(request)))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.chat(body, _request_id(request)))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=_GENERATION_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await _respond(request, serving.responses(body, _request_id(request)))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None else None
         return serving.tokenize(body.prompt, messages, body.add_special_tokens, body.add_generation_prompt)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return serving.detokenize(body.tokens)
 
-    return _Guard(app, api_key, max_request_bytes)
+    document(app, _UNGUARDED_PATHS, api_key_required=bool(api_key))
+    return Guard(app, api_key, max_request_bytes, body_timeout_s, _UNGUARDED_PATHS)
 
 
-def error_response(e: ApiError) -> Response:
-    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
-    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+def _handle_errors(app: FastAPI) -> None:
+    """Every error the app raises becomes the envelope."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> Response:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
+        return error_response(invalid_body(e.errors(), request.headers.get("content-type", "")))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
+        # 404 (no such route) and 405 (wrong method, with its Allow header) come from here.
+        return error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> Response:
+        request_id = _request_id(request)
+        logger.exception("unexpected error serving %s (request %s)", request.url.path, request_id)
+        return error_response(
+            ApiError(500, f"internal server error; the server log has the details (request id {request_id})")
+        )
 
 
 def _request_id(request: Request) -> str:
@@ -176,67 +188,6 @@ async def _respond(request: Request, work: Awaitable[dict[str, Any] | AsyncItera
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class _Guard:
-    """Pure ASGI (streams pass through untouched): request size, API key, X-Request-Id."""
-
-    def __init__(self, app: ASGIApp, api_key: str, max_request_bytes: int) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
-        self._max_bytes = max_request_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:256] or new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
-            await send(message)
-
-        if self._expected is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                await _send_error(
-                    ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`"),
-                    scope,
-                    receive,
-                    send_with_id,
-                )
-                return
-        length = headers.get(b"content-length")
-        too_large = ApiError(413, f"the request body is larger than {self._max_bytes} bytes; send a smaller one")
-        if length is not None and (not length.isdigit() or int(length) > self._max_bytes):
-            await _send_error(too_large, scope, receive, send_with_id)
-            return
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self._max_bytes:
-                    raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send_with_id)
-        except _TooLarge:
-            await _send_error(too_large, scope, receive, send_with_id)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _send_error(e: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
-    await error_response(e)(scope, receive, send)
 
 
 class HttpServer:

@@ -3,13 +3,16 @@
 Every HTTP request becomes one `Generate` call per choice, so both fronts share one
 request path (routing, hand-off, aborts, metrics) and a dropped HTTP client cancels its
 calls, which frees the blocks on every instance. gRPC status codes map to HTTP statuses
-here, once.
+here, once. When the router itself cannot be reached (gone, restarting, or draining: its
+port refuses new connections), the client gets a 503 saying so, not gRPC's transport text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -17,10 +20,20 @@ import grpc
 
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.router.openai.protocol import ApiError
+from vllm_cluster.router.openai.errors import ApiError
 from vllm_cluster.worker.rpc import CHANNEL_OPTIONS
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1
+# How gRPC's own transport failures begin; the router's UNAVAILABLE messages (no decode
+# instance, a failed hand-off) begin with its own words and reach the client as they are.
+_LINK_DOWN = re.compile(
+    r"(failed to connect to all addresses|connections to all backends failing|Socket closed|Connection reset"
+    r"|recvmsg|sendmsg|Broken pipe|GOAWAY|Stream removed|keepalive watchdog|Connection timed out|Channel closed)",
+    re.IGNORECASE,
+)
+_ROUTER_DOWN = f"the router is not taking requests right now (restarting or shutting down); retry in {RETRY_AFTER_S} s"
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -41,6 +54,9 @@ def api_error(e: grpc.RpcError) -> ApiError:
     status = _HTTP_STATUS.get(code, 500)
     retry = RETRY_AFTER_S if status in (429, 503) else None
     details = e.details() or code.name
+    if code == grpc.StatusCode.UNAVAILABLE and _LINK_DOWN.match(details):
+        logger.warning("the router's gRPC API is unreachable: %s", details)
+        return ApiError(503, _ROUTER_DOWN, retry_after_s=RETRY_AFTER_S)
     param = None
     if code == grpc.StatusCode.NOT_FOUND and details.startswith("The model `"):
         # vLLM's message, word for word (clients match it); the router's gRPC one goes on

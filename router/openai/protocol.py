@@ -9,11 +9,13 @@ best_of, structured output): those are refused with a 400 naming the field.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.router.openai.errors import ApiError, bad_request
 
 MAX_N = 64  # choices per request; each is its own sequence on a decode instance
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -21,26 +23,52 @@ MAX_LOGPROBS = 20
 _INT32 = 2**31
 
 
-class ApiError(Exception):
-    """An error the client gets as vLLM's envelope: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.retry_after_s = retry_after_s
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
-
-
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class LoRAAdapterRequest(_Request):
+class _Body(_Request):
+    """A whole request body. Its text must be well-formed Unicode: JSON's `\\ud800` escape
+    decodes to a lone surrogate, which no tokenizer, protobuf string or UTF-8 response can
+    hold, so it is refused here, naming the field, before anything reads the text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed_text(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            where, text, index = found
+            raise ApiError(
+                400,
+                f"{where or 'a field name'} is not valid UTF-8 text: it holds a lone surrogate "
+                f"(U+{ord(text[index]):04X}) at character {index}. Send {where or 'the body'} as well-formed "
+                "Unicode: a surrogate escape such as \\ud83d only together with its pair (\\ude00), "
+                "or the character itself",
+                where or None,
+            )
+        return data
+
+
+def lone_surrogate(value: Any) -> tuple[str, str, int] | None:
+    """The first text in decoded JSON that UTF-8 cannot encode: (its dotted field path, the
+    text, the index of the lone surrogate). A dict key is reported at the dict's path."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return ".".join(str(p) for p in path), item, e.start
+        elif isinstance(item, dict):
+            children = [(path, key) for key in item] + [((*path, key), v) for key, v in item.items()]
+            stack.extend(reversed(children))
+        elif isinstance(item, list):
+            stack.extend(reversed([((*path, i), v) for i, v in enumerate(item)]))
+    return None
+
+
+class LoRAAdapterRequest(_Body):
     """vLLM's body of /v1/load_lora_adapter (lora_path unused by /v1/unload_lora_adapter)."""
 
     lora_name: str = ""
@@ -52,7 +80,18 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+# name: (is the value allowed?, what is allowed)
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "temperature": (lambda v: v >= 0.0, ">= 0 (0 means greedy)"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: 0.0 < v <= 2.0, "in (0, 2] (1 means none)"),
+}
+
+
+class _SamplingFields(_Body):
     """What completions and chat completions share."""
 
     model: str | None = None
@@ -103,10 +142,7 @@ class _SamplingFields(_Request):
         self._refuse_unsupported()
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise bad_request(f"{name} must be a finite number, got {value}", name)
+        self._check_ranges()
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if max_tokens is not None and self.min_tokens > max_tokens:
@@ -148,6 +184,20 @@ class _SamplingFields(_Request):
         if num_logprobs is not None:
             msg.logprobs = num_logprobs
         return msg
+
+    def _check_ranges(self) -> None:
+        """The engine's ranges (engine/sampling_params.py), checked here too so that the
+        400 names the field."""
+        for name, (in_range, allowed) in _RANGES.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not math.isfinite(value):
+                raise bad_request(f"{name} must be a finite number, got {value}", name)
+            if not in_range(value):
+                raise bad_request(f"{name} must be {allowed}, got {value}", name)
+        if self.top_k is not None and self.top_k < -1:
+            raise bad_request(f"top_k must be -1 or 0 (no top-k) or a positive integer, got {self.top_k}", "top_k")
 
     @property
     def include_usage(self) -> bool:
@@ -220,6 +270,10 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> pb.SamplingParams:
         if self.tools:
             raise bad_request("tool calling is not supported by this server; drop tools", "tools")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}", "top_logprobs"
+            )
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -235,7 +289,7 @@ class ResponsesInputMessage(_Request):
     type: Literal["message"] | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(_Body):
     """OpenAI's Responses API, text in and text out."""
 
     model: str | None = None
@@ -270,7 +324,7 @@ class ResponsesRequest(_Request):
         )
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -278,6 +332,6 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

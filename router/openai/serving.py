@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -20,41 +19,20 @@ from typing import Any
 from vllm_cluster.engine.tokenizer import apply_chat_template
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.openai.backend import Piece, RouterBackend
+from vllm_cluster.router.openai.errors import ApiError, bad_request, error_body
 from vllm_cluster.router.openai.logprobs import chat_logprobs, completion_logprobs
 from vllm_cluster.router.openai.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
     _SamplingFields,
-    bad_request,
 )
-from vllm_cluster.worker.rpc import scrub
 
 _MAX_SEQUENCES = 256  # Generate calls one HTTP request may fan out to (prompts x n)
 
 
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def error_body(e: ApiError) -> dict[str, Any]:
-    """vLLM's envelope."""
-    return {
-        "error": {
-            "message": scrub(e.message),
-            "type": _ERROR_TYPES.get(e.status, "InternalServerError"),
-            "param": e.param,
-            "code": e.status,
-        }
-    }
-
-
-_ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-    409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
-    503: "ServiceUnavailableError", 504: "TimeoutError",
-}
 
 
 @dataclass
@@ -392,7 +370,3 @@ async def _stream(events: AsyncGenerator[str, None], done_marker: bool) -> Async
             yield sse(error_body(e))
     if done_marker:
         yield "data: [DONE]\n\n"
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

@@ -11,13 +11,16 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.router.openai.app import HttpServer, build_app
+from vllm_cluster.router.openai.backend import RouterBackend
+from vllm_cluster.router.openai.serving import OpenAIServing
 from vllm_cluster.worker.rpc import make_channel
 
 CONFIG = Path(__file__).with_name("openai_cluster.yaml")
@@ -36,7 +39,34 @@ def start_cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterat
         yield local
 
 
-def http(cluster: LocalCluster, method: str, path: str, body: Any = None, key: str | None = KEY,
+class Front(NamedTuple):
+    """An HTTP front a test starts in its own process."""
+
+    http_address: str
+
+
+@contextlib.contextmanager
+def start_front(router_address: str, **options: Any) -> Iterator[Front]:
+    """The real HTTP front (build_app on uvicorn, on loopback) over the router's gRPC API at
+    `router_address`. It has no tokenizer: prompts are token ids."""
+    serving = OpenAIServing(RouterBackend(router_address, KEY), None, MODEL, 1024)
+    server = HttpServer(build_app(serving, KEY, **options), "127.0.0.1", 0).start()
+    try:
+        yield Front(f"http://127.0.0.1:{server.port}")
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def refusing_address() -> Iterator[str]:
+    """A loopback address that refuses connections (a bound socket that never listens), as
+    a router that is gone or draining does."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def http(cluster: LocalCluster | Front, method: str, path: str, body: Any = None, key: str | None = KEY,
           headers: dict[str, str] | None = None, raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     request = urllib.request.Request(cluster.http_address + path, data=data, method=method)
@@ -83,11 +113,31 @@ def assert_blocks_return(cluster: LocalCluster, timeout_s: float = 20.0) -> None
         time.sleep(0.2)
 
 
+def _connect(front: LocalCluster | Front) -> socket.socket:
+    host, port = front.http_address.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def post_partial_body(front: LocalCluster | Front, declared: int, sent: bytes) -> tuple[bytes, bool]:
+    """Announce `declared` body bytes, send only `sent`, then wait: what the server answers,
+    and whether it then closed the connection (a read of b"" before the socket timeout)."""
+    with _connect(front) as sock:
+        sock.settimeout(15)
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
+        answer = b""
+        try:
+            while chunk := sock.recv(4096):
+                answer += chunk
+        except TimeoutError:
+            return answer, False
+        return answer, True
+
+
 def post_huge_body(cluster: LocalCluster, size: int) -> bytes:
     """Announce `size` bytes, send the first MiB, read the answer (the server answers and
     closes without reading the rest)."""
-    host, port = cluster.http_address.removeprefix("http://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
+    with _connect(cluster) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
         with contextlib.suppress(OSError):

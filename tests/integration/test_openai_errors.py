@@ -23,8 +23,10 @@ from tests.integration.openai_support import (
     assert_envelope,
     http,
     post_huge_body,
+    post_partial_body,
     rss_mb,
     start_cluster,
+    start_front,
 )
 from vllm_cluster.cluster.local import LocalCluster
 
@@ -71,13 +73,21 @@ def test_request_id_echoed(cluster: LocalCluster) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"messages": CHAT, "temperature": -1}, None),
-    ({"messages": CHAT, "top_p": 0}, None),
+    ({"messages": CHAT, "temperature": -1}, "temperature"),
+    ({"messages": CHAT, "top_p": 0}, "top_p"),
+    ({"messages": CHAT, "top_p": 1.5}, "top_p"),
+    ({"messages": CHAT, "top_k": -2}, "top_k"),
+    ({"messages": CHAT, "min_p": 1.5}, "min_p"),
+    ({"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty"),
+    ({"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": CHAT, "repetition_penalty": 3}, "repetition_penalty"),
     ({"messages": CHAT, "n": 0}, "n"),
     ({"messages": CHAT, "n": 10_000}, "n"),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
     ({"messages": CHAT, "max_tokens": 4, "min_tokens": 8}, "min_tokens"),
-    ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "max_tokens": 5000}, "max_tokens"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -115,6 +125,112 @@ def test_body_too_large_and_malformed(cluster: LocalCluster) -> None:
     status, _, error = http(cluster, "POST", "/v1/completions", raw=b'{"prompt": "\xff\xfe"}')
     assert status == 400
     assert http(cluster, "GET", "/health", key=None)[0] == 200  # still serving
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_body_that_is_not_json_says_to_send_json(cluster: LocalCluster, content_type: str) -> None:
+    raw = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    status, _, error = http(cluster, "POST", "/v1/completions", raw=raw, headers={"Content-Type": content_type})
+    assert status == 400, error
+    assert_envelope(error, 400)
+    assert "JSON object" in error["error"]["message"] and "application/json" in error["error"]["message"]
+    assert "valid dictionary" not in error["error"]["message"]
+    status, _, error = http(cluster, "POST", "/v1/completions", raw=b'["hi"]')
+    assert status == 400 and "JSON object" in error["error"]["message"], error
+
+
+_SURROGATES = [  # raw JSON: a lone surrogate escape where the API takes text, and the param named
+    ("/v1/completions", rb'{"prompt": "hi \ud800", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", rb'{"prompt": ["ok", "hi \udc00"], "max_tokens": 1}', "prompt.1"),
+    ("/v1/completions", rb'{"prompt": "hi", "max_tokens": 1, "stop": ["\ud83d"]}', "stop.0"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "hi \ud800"}]}', "messages.0.content"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "hi"}], "user": "\ud800"}', "user"),
+    ("/v1/responses", rb'{"input": "hi \ud800", "max_output_tokens": 1}', "input"),
+    ("/v1/responses", rb'{"input": [{"role": "user", "content": "\ud800 hi"}]}', "input.0.content"),
+    ("/tokenize", rb'{"prompt": "hi \ud800"}', "prompt"),
+    ("/tokenize", rb'{"messages": [{"role": "user", "content": "hi \ud800"}]}', "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), _SURROGATES)
+def test_lone_surrogate_is_a_400_naming_the_field(cluster: LocalCluster, path: str, raw: bytes, param: str) -> None:
+    status, _, error = http(cluster, "POST", path, raw=raw)
+    assert status == 400, error
+    assert_envelope(error, 400, param)
+    message = error["error"]["message"]
+    assert "UTF-8" in message and "surrogate" in message and param in message
+
+
+def test_surrogate_pair_is_text(cluster: LocalCluster) -> None:
+    status, _, body = http(cluster, "POST", "/tokenize", raw=rb'{"prompt": "smile \ud83d\ude00"}')
+    assert status == 200 and body["count"] > 1
+    status, _, same = http(cluster, "POST", "/tokenize", {"prompt": "smile \U0001f600"})
+    assert same["tokens"] == body["tokens"]
+
+
+def test_auth_scheme_is_case_insensitive_and_the_key_exact(cluster: LocalCluster) -> None:
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        status, _, body = http(cluster, "GET", "/v1/models", key=None, headers={"Authorization": f"{scheme} {KEY}"})
+        assert status == 200, (scheme, body)
+    for value in (f"bearer {KEY.upper()}", f"bearer {KEY}x", f"Basic {KEY}", f"bearer{KEY}", KEY):
+        status, _, error = http(cluster, "GET", "/v1/models", key=None, headers={"Authorization": value})
+        assert status == 401, value
+        assert_envelope(error, 401)
+
+
+def test_wrong_method_is_405_with_allow(cluster: LocalCluster) -> None:
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET")):
+        status, headers, error = http(cluster, method, path)
+        assert status == 405, error
+        assert_envelope(error, 405)
+        assert error["error"]["type"] == "MethodNotAllowedError"
+        assert allowed in [m.strip() for m in headers["allow"].split(",")]
+
+
+def test_openapi_document_agrees_with_the_server(cluster: LocalCluster) -> None:
+    status, _, doc = http(cluster, "GET", "/openapi.json")
+    assert status == 200
+    envelope = doc["components"]["schemas"]["ErrorResponse"]
+    assert set(envelope["properties"]) == {"error"}
+    paths = doc["paths"]
+    status, headers, body = http(cluster, "GET", "/health", key=None)
+    assert status == 200 and not body and "content-type" not in {k.lower() for k in headers}
+    assert "content" not in paths["/health"]["get"]["responses"]["200"]
+    assert "503" in paths["/health"]["get"]["responses"]
+    status, headers, _ = http(cluster, "GET", "/metrics")
+    assert headers["content-type"].startswith("text/plain")
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (path, method)  # validation failures are 400s
+            if path != "/health":
+                assert "401" in responses, (path, method)
+            if method == "post":
+                assert {"400", "408", "413"} <= set(responses), (path, method)
+            for code, response in responses.items():
+                if code.startswith(("4", "5")) and path != "/health":
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (path, method, code)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        assert {"404", "429", "503"} <= set(paths[path]["post"]["responses"]), path
+
+
+def test_slow_body_is_cut_off_with_408(cluster: LocalCluster) -> None:
+    """A second front on the same router with a short body timeout: a body that stops
+    arriving gets 408 and a closed connection; an answer that takes longer than the
+    timeout (the body was whole) is not cut off."""
+    with start_front(cluster.router_address, body_timeout_s=1.0) as front:
+        answer, closed = post_partial_body(front, 1000, b'{"prompt":')
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert closed, "the connection stayed open after the 408"
+        assert b'"code":408' in answer
+        status, _, body = http(front, "POST", "/v1/completions",
+                               {"prompt": [1, 2, 3], "max_tokens": 96, "ignore_eos": True, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 96, body
+    assert_blocks_return(cluster)
 
 
 def test_stream_error_before_first_token_is_plain_http_error(cluster: LocalCluster) -> None:

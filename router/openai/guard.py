@@ -1,0 +1,136 @@
+"""What every HTTP request passes before the app sees it (pure ASGI, so streams pass through
+untouched).
+
+1. X-Request-Id: taken from the request (or made) and echoed on the response.
+2. The API key, on every route but the unguarded ones (/health): `Authorization: Bearer <key>`, the scheme in
+   any case (RFC 7235), the key exact and compared in constant time.
+3. The body: more than `max_request_bytes` (declared or received) is a 413; a body not
+   whole `body_timeout_s` after the request began is a 408. Either is answered at once with
+   `Connection: close`, and the app is told the client has gone, so a slow or endless body
+   holds neither a connection nor a handler. Once the body is whole (or the app has started
+   its answer) nothing is timed: the app's wait for a hang-up is unbounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vllm_cluster.router.openai.errors import ApiError, error_response
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Guard:
+    def __init__(
+        self, app: ASGIApp, api_key: str, max_request_bytes: int, body_timeout_s: float,
+        unguarded_paths: tuple[str, ...],
+    ) -> None:
+        self.app = app
+        self._unguarded_paths = unguarded_paths
+        self._key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        self._max_bytes = max_request_bytes
+        self._body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:256] or new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        if scope["path"] not in self._unguarded_paths and not self._authorized(headers.get(b"authorization", b"")):
+            refusal = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
+            await error_response(refusal)(scope, receive, send_with_id)
+            return
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self._max_bytes):
+            await _answer_and_close(self._too_large(), scope, send_with_id)
+            return
+        gate = _BodyGate(scope, receive, send_with_id, self._max_bytes, self._body_timeout_s, self._too_large())
+        await self.app(scope, gate.receive, gate.send)
+
+    def _authorized(self, header: bytes) -> bool:
+        if self._key_digest is None:
+            return True
+        scheme, _, credentials = header.partition(b" ")
+        digest = hashlib.sha256(credentials.lstrip(b" ")).digest()  # equal lengths: constant time
+        return hmac.compare_digest(digest, self._key_digest) and scheme.lower() == b"bearer"
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than {self._max_bytes} bytes; send a smaller one")
+
+
+class _BodyGate:
+    """One request's receive and send as the app sees them: the body bounded in size and
+    time; once the gate has answered in the app's place, the app hears a hang-up and its own
+    answer is dropped."""
+
+    def __init__(
+        self, scope: Scope, receive: Receive, send: Send, max_bytes: int, timeout_s: float, too_large: ApiError,
+    ) -> None:
+        self._scope = scope
+        self._receive = receive
+        self._send = send
+        self._max_bytes = max_bytes
+        self._timeout_s = timeout_s
+        self._too_large = too_large
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        self._num_received_bytes = 0
+        self._whole = False  # the body has all arrived
+        self._started = False  # the app has begun its answer
+        self._answered = False  # the gate answered instead of the app
+
+    async def receive(self) -> Message:
+        if self._answered:
+            return {"type": "http.disconnect"}
+        if self._whole or self._started:
+            return await self._receive()
+        remaining_s = self._deadline - asyncio.get_running_loop().time()
+        try:
+            message = await asyncio.wait_for(self._receive(), timeout=max(remaining_s, 0.0))
+        except TimeoutError:
+            return await self._answer(ApiError(
+                408, f"the request body did not arrive within {self._timeout_s:g} s; send the whole body at once, "
+                "with a Content-Length that matches it",
+            ))
+        if message["type"] == "http.request":
+            self._num_received_bytes += len(message.get("body", b""))
+            if self._num_received_bytes > self._max_bytes:
+                return await self._answer(self._too_large)
+            self._whole = not message.get("more_body", False)
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self._answered:
+            return
+        self._started = True
+        await self._send(message)
+
+    async def _answer(self, e: ApiError) -> Message:
+        self._answered = True
+        await _answer_and_close(e, self._scope, self._send)
+        return {"type": "http.disconnect"}
+
+
+async def _answer_and_close(e: ApiError, scope: Scope, send: Send) -> None:
+    """Answer without reading the rest of the body, and close the connection after it."""
+    response = error_response(e)
+    response.headers["Connection"] = "close"
+
+    async def nothing_more() -> Message:
+        return {"type": "http.disconnect"}
+
+    await response(scope, nothing_more, send)

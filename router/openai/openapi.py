@@ -1,0 +1,60 @@
+"""The OpenAPI document (/openapi.json) as the server really answers.
+
+Each route declares the errors it answers itself (`error_responses`), all with the error
+envelope's schema. `document` adds what the guard answers outside FastAPI's sight (401
+without the API key, 408 and 413 for a body too slow or too large) and drops FastAPI's
+default 422, which this server never sends: a body that fails validation is a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from vllm_cluster.router.openai.errors import ErrorResponse
+
+_WHEN = {
+    400: "The request is invalid: the message says what to change, `param` names the field.",
+    401: "The API key is missing or wrong.",
+    404: "No such model (or LoRA adapter), or the feature is off.",
+    408: "The request body did not arrive in time; the connection is closed.",
+    409: "The LoRA adapter is already loaded.",
+    413: "The request body is too large; the connection is closed.",
+    429: "Every decode instance is full; retry after Retry-After seconds.",
+    503: "The cluster cannot serve now (no decode instance, or the router is restarting); retry after "
+         "Retry-After seconds.",
+}
+_ENVELOPE = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+_BODY_METHODS = ("post", "put", "patch")
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route decorator's `responses`: each status answered with the error envelope (as JSON
+    whatever the route's own media type)."""
+    return {status: {"description": _WHEN[status], "content": _ENVELOPE} for status in statuses}
+
+
+def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: bool) -> None:
+    """Make `app.openapi()` (what /openapi.json serves) include the guard's answers."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path, operations in doc["paths"].items():
+                for method, operation in operations.items():
+                    responses = operation["responses"]
+                    responses.pop("422", None)
+                    guarded = [401] if api_key_required and path not in unguarded_paths else []
+                    for status in guarded + ([408, 413] if method in _BODY_METHODS else []):
+                        responses.setdefault(str(status), {"description": _WHEN[status], "content": _ENVELOPE})
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            envelope = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(envelope.pop("$defs"), ErrorResponse=envelope)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
