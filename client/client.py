@@ -13,7 +13,7 @@ Every failure is a `ClientError` whose `.code` is the grpc.StatusCode:
   UNAVAILABLE         the router, or the instances behind it, cannot be reached
   DEADLINE_EXCEEDED   the call's `timeout_s` or the request's `deadline_s` passed
   UNAUTHENTICATED     the router wants an API key and this one is missing or wrong
-  CANCELLED           the request was aborted (`abort(request_id)` from anywhere)
+  CANCELLED           the request was aborted (`abort(request_id)` by the Client that started it)
   ALREADY_EXISTS      a request with this `request_id` is in flight
 A stream cancelled by its own caller just ends: that is not an error.
 
@@ -163,7 +163,9 @@ class Client:
             return stream.collect()
 
     def abort(self, request_id: str, timeout_s: float | None = None) -> bool:
-        """Abort a request in flight (its stream ends with CANCELLED); False if none is."""
+        """Abort a request in flight (its stream ends with CANCELLED); False if none is that
+        this caller may abort: the router aborts a client-chosen id only for the connection
+        that started it, so abort through the Client that streams it."""
         try:
             reply = self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._timeout(timeout_s),
                                      metadata=self._metadata)

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from vllm_cluster.cluster.config import ClusterConfig
+from vllm_cluster.cluster.procs import reap_when_done
 from vllm_cluster.kv_index.redis_server import EmbeddedRedis, start_embedded_redis
 from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV
 
@@ -177,6 +178,7 @@ class LocalCluster:
             env[API_KEY_ENV] = self.api_key
         with open(log, "wb") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path.cwd())
+        reap_when_done(popen)  # a process that dies on its own is no zombie until stop()
         process = _Process(name, popen, ready, log, cmd=cmd, env=env)
         self.processes.append(process)
         return process
@@ -194,6 +196,7 @@ class LocalCluster:
         process.ready_file.unlink(missing_ok=True)
         with open(process.log_file, "ab") as out:
             process.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=process.env, cwd=Path.cwd())
+        reap_when_done(process.popen)
         self._wait_ready(process)
 
     def _wait_ready(self, process: _Process) -> None:

@@ -98,7 +98,7 @@ class ProcessHost:
         return started.pid, started.start_ticks
 
     def _launch(self, spec_argv: tuple[str, ...], visible_devices: list[str] | None) -> Started:
-        from vllm_cluster.cluster.procs import ProcessRef
+        from vllm_cluster.cluster.procs import ProcessRef, reap_when_done
 
         self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # resolved configs may hold the API key
         config_file = self.log_dir / f"{self.spec.name}.yaml"
@@ -118,6 +118,7 @@ class ProcessHost:
                 argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
                 preexec_fn=_die_with_parent,
             )
+        reap_when_done(self.popen)  # reaped as it exits, with or without a watchdog
         ref = ProcessRef.of(self.popen.pid)
         error = self._wait_ready(ready_file)
         info = json.loads(ready_file.read_text()) if not error and not self.spec.ready_port else {}

@@ -1,12 +1,21 @@
 """Processes by id, safely: a pid plus its start time (from /proc), so that a pid the kernel
 has since reused for someone else's process is never signalled. Linux only, like the rest
-of the cluster's process handling."""
+of the cluster's process handling.
+
+Reaping: a child that exits stays a zombie until its parent collects its status. A process
+ended through `terminate` / `wait_gone` that is a child of this one is collected there;
+a long-lived parent holding a `subprocess.Popen` collects it the moment it exits with
+`reap_when_done` (a thread waiting on that one pid: it takes no other child's status, as a
+SIGCHLD handler calling waitpid(-1) would).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -75,4 +84,21 @@ def wait_gone(refs: Iterable[ProcessRef], timeout_s: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+    for ref in refs:
+        _reap(ref)
     return True
+
+
+def reap_when_done(popen: subprocess.Popen[bytes]) -> None:
+    """Collect the child's exit status as soon as it exits, however it exits (it may still be
+    waited on or polled as before: Popen serialises its waits)."""
+    threading.Thread(target=popen.wait, name=f"reap-{popen.pid}", daemon=True).start()
+
+
+def _reap(ref: ProcessRef) -> None:
+    """Collect the status of an ended child of this process (a zombie until then)."""
+    fields = _stat_fields(ref.pid)
+    if fields is None or fields[0] != "Z" or int(fields[1]) != os.getpid() or int(fields[19]) != ref.start_ticks:
+        return
+    with contextlib.suppress(ChildProcessError):  # a Popen's own wait got there first
+        os.waitpid(ref.pid, os.WNOHANG)

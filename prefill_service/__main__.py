@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     core, _ = build_engine(args, role=EngineRole.PREFILL)
     kv_caches = core.transfer_caches
     layout = KVLayout.from_kv_caches(kv_caches, model=core.config.model.model)
-    sender = make_sender(args.transport, kv_caches, layout, args.name, cluster_token())
+    sender = make_sender(args.transport, kv_caches, layout, args.name, cluster_token(), host=args.kv_host)
     loop = EngineLoop(core, tokenizer=None, stall_timeout_s=args.stall_timeout_s)  # prefill only samples one token
     metrics = InstanceMetrics(loop, args.name)
     servicer = PrefillServicer(loop, sender, layout, args.transfer_timeout_s, metrics)

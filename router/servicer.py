@@ -18,7 +18,9 @@ Lifecycle of a request here:
      client sees one stream: no token twice, none missing, text the lost instance held
      back sent first. (A stop string straddling the migration point is not detected.)
 Abort (client Abort, disconnect, deadline, a failed leg) goes through the Handoff, which
-releases both legs exactly once.
+releases both legs exactly once. A client's `Abort` by id reaches only requests its caller
+could know (router/abort_rights.py): a router-made id (the client sent none) to whoever
+holds it; a client-chosen id only over the connection that started the request.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.metrics import RouterMetrics
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.router.abort_rights import AbortRights
 from vllm_cluster.router.calls import abort, end_aborted
 from vllm_cluster.router.handoff import Handoff, HandoffState
 from vllm_cluster.router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
@@ -83,6 +85,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._model_name = model_name
         self._max_model_len = max_model_len
         self._active: dict[str, Handoff] = {}
+        self._abort_rights = AbortRights()
         self._lock = threading.Lock()
         self.streams = StreamSlots()
 
@@ -137,9 +140,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 self._active.pop(request.request_id, None)
 
     def Abort(self, msg: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        """found=False as well for a request this caller may not abort (router/abort_rights.py)."""
         with self._lock:
             handoff = self._active.get(msg.request_id)
-        return pb.AbortResponse(found=handoff is not None and handoff.abort("aborted by the client"))
+        if handoff is None or not self._abort_rights.may_abort(msg.request_id, context):
+            return pb.AbortResponse(found=False)
+        return pb.AbortResponse(found=handoff.abort("aborted by the client"))
 
     def ListModels(self, msg: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
         cards = [pb.ModelCard(id=self._model_name, max_model_len=self._max_model_len)]
@@ -351,7 +357,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         except (InvalidRequestError, ModelLoadError) as e:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.WorkerRequest(
-            request_id=msg.request_id or uuid.uuid4().hex,
+            request_id=self._abort_rights.claim(msg.request_id, context),
             prompt_token_ids=prompt,
             sampling_params=msg.sampling_params,
             extra_keys=(

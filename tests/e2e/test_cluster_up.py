@@ -1,20 +1,25 @@
 """`vllm-cluster up --detach` -> a request through the router -> `status` -> `logs` ->
 `down`, as a user runs them: real Ray (a head of its own), real processes, a killed
-instance started again by itself, then nothing left running."""
+instance started again by itself, then nothing left running. On the way: the API key and
+the cluster token are in no file but the private state file, and every server listens on
+loopback only."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
+from tests.listening import is_loopback, listening_addresses
 from vllm_cluster.client import Client, ClientError
 from vllm_cluster.cluster.procs import ProcessRef, session_members
 from vllm_cluster.cluster.state import ClusterState
@@ -43,6 +48,7 @@ router:
   http_port: 0
   policy: prefix_aware        # so `up` starts the embedded Redis too
   min_prefill_tokens: 0       # every request crosses prefill -> decode
+  api_key: e2e-api-key-{pid}
 """
 
 
@@ -67,9 +73,16 @@ def test_up_request_status_logs_down(tmp_path: Path) -> None:
         assert [r.name for r in state.processes] == ["redis", "prefill-0", "decode-0", "router"]
         assert state.ray_head is not None and state.ray_head.alive()
 
-        with Client(state.router_address) as client:
+        with Client(state.router_address) as client:  # the router has the key, though no file gave it
+            assert _error(lambda: client.generate("Hi", max_tokens=1)) == grpc.StatusCode.UNAUTHENTICATED
+        with Client(state.router_address, api_key=state.api_key) as client:
             result = client.generate("The capital of France is", max_tokens=8, temperature=0)
         assert result.text.strip() and result.usage is not None and result.usage.completion_tokens == 8
+        for secret in (state.api_key, state.token):
+            assert _files_holding(tmp_path / "state", secret) == {state_file: 0o600}
+        for record in state.processes:  # KV (UCX included), gRPC, HTTP, metrics, Redis
+            elsewhere = {a for a in listening_addresses(record.process.pid) if not is_loopback(a[0])}
+            assert not elsewhere, f"{record.name} listens beyond loopback: {elsewhere}"
 
         status = _cli("status", *where, "--json")
         assert status.returncode == 0, status.stdout + status.stderr
@@ -99,7 +112,7 @@ def test_up_request_status_logs_down(tmp_path: Path) -> None:
             time.sleep(1.0)
         assert rows["decode-0"]["restarts"] == 1 and rows["decode-0"]["last_exit"] == "killed by SIGKILL"
         assert rows["decode-0"]["pid"] != state.record("decode-0").process.pid
-        with Client(state.router_address) as client:
+        with Client(state.router_address, api_key=state.api_key) as client:
             while True:  # until the router's next Stats poll finds it back
                 try:
                     again = client.generate("The capital of France is", max_tokens=8, temperature=0)
@@ -121,3 +134,15 @@ def test_up_request_status_logs_down(tmp_path: Path) -> None:
     assert not any(r.alive() for r in [*refs, state.ray_head])
     assert session_members(state.ray_head.pid) == []  # the head's GCS, raylet, actors, their children
     assert _cli("status", *where).returncode == 1
+
+
+def _error(call: Callable[[], object]) -> grpc.StatusCode:
+    with pytest.raises(ClientError) as info:
+        call()
+    return info.value.code
+
+
+def _files_holding(root: Path, secret: str) -> dict[Path, int]:
+    """Every file under `root` whose bytes contain `secret`, with its permission bits."""
+    return {path: stat.S_IMODE(path.stat().st_mode) for path in root.rglob("*")
+            if path.is_file() and secret.encode() in path.read_bytes()}

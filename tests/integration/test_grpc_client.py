@@ -212,6 +212,62 @@ def test_abort_by_request_id_ends_the_stream_with_cancelled(cluster: LocalCluste
     _assert_blocks_return(cluster)
 
 
+
+def _abort_from_another_process(cluster: LocalCluster, request_id: str) -> str:
+    """`Client.abort` in a process of its own, with the same API key: "True" or "False"."""
+    code = ("import sys; from vllm_cluster.client import Client; "
+            "print(Client(sys.argv[1], api_key=sys.argv[2], timeout_s=30).abort(sys.argv[3]))")
+    run = subprocess.run([sys.executable, "-c", code, cluster.router_address, API_KEY, request_id],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_a_chosen_request_id_is_aborted_only_over_the_connection_that_started_it(
+    cluster: LocalCluster, client: Client
+) -> None:
+    """Every client holds the same API key; another client (a process of its own: gRPC pools
+    one process's channels onto one connection) that knows or guesses the id cannot abort
+    the request, and is told nothing is in flight."""
+    stream = client.stream("Write a long poem.", request_id="chosen-by-its-client", **LONG)
+    errors: list[ClientError] = []
+    first_token = threading.Event()
+
+    def consume() -> None:
+        try:
+            for piece in stream:
+                if piece.token_ids:
+                    first_token.set()
+        except ClientError as e:
+            errors.append(e)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert first_token.wait(60)
+    assert _abort_from_another_process(cluster, "chosen-by-its-client") == "False"
+    assert consumer.is_alive() and not errors
+    assert client.abort("chosen-by-its-client")
+    consumer.join(timeout=30)
+    assert [e.code for e in errors] == [grpc.StatusCode.CANCELLED]
+    _assert_blocks_return(cluster)
+
+
+def test_a_router_made_request_id_is_aborted_by_whoever_holds_it(cluster: LocalCluster) -> None:
+    stub = pb_grpc.GenerationStub(make_channel(cluster.router_address))
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
+    request = pb.GenerateRequest(  # no request_id: the router makes one
+        text="Write a long poem.", sampling_params=pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    )
+    call = stub.Generate(request, metadata=metadata, timeout=300)
+    request_id = next(call).request_id
+    assert len(request_id) == 32 and int(request_id, 16) >= 0
+    assert _abort_from_another_process(cluster, request_id) == "True"
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+    _assert_blocks_return(cluster)
+
+
 # ---- the command line
 
 

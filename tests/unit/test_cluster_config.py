@@ -240,3 +240,18 @@ def test_state_file_is_private_and_round_trips(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert ClusterState.load(path) == state
     assert me.alive() and not ProcessRef(me.pid, me.start_ticks + 1).alive()
+
+
+def test_resolved_yaml_holds_no_api_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What `up` and `vllm-cluster worker` write next to the logs: the router takes the key
+    from its environment instead."""
+    key = "sk-never-on-disk"
+    deployment = load_deployment(_file(tmp_path, SMALL), [f"router.api_key={key}"])
+    assert deployment.router.api_key == key
+    for role in ("prefill", "decode"):
+        assert key not in deployment.process_yaml(role)
+    resolved = tmp_path / "prefill-0.yaml"
+    assert main(["worker", "prefill", "-f", str(tmp_path / "cluster.yaml"), "--set", f"router.api_key={key}",
+                 "--resolved-config", str(resolved), "--dry-run"]) == 0
+    assert "vllm_cluster.prefill_service" in capsys.readouterr().out
+    assert resolved.exists() and key not in resolved.read_text()
