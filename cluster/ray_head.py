@@ -8,14 +8,17 @@
   session (nothing else on the machine is touched).
 
 A local Ray stays on loopback (node address 127.0.0.1, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
-no dashboard, a small object store) and uses token authentication (the token in
-~/.ray/auth_token, made on first use).
+no dashboard, a small object store) and uses token authentication: the token is
+RAY_AUTH_TOKEN, or the file at RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which is made here
+on first use, readable by its owner alone (`ray start` makes none, and Ray's own is
+readable by all).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -44,6 +47,21 @@ def use_local_ray() -> None:
     """Before Ray is imported or started: the settings of a Ray on this machine only."""
     os.environ.update(_LOCAL_ENV)
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN"):
+        make_auth_token(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"))
+
+
+def make_auth_token(path: Path) -> None:
+    """A token for Ray's token authentication at `path`, unless one is there (mode 0600)."""
+    if path.exists():
+        return
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
 
 
 def start_in_process(num_cpus: float, namespace: str, attempts: int = 3) -> str:

@@ -3,10 +3,11 @@ ranked by the routing policy, and the reservation on a decode instance.
 
 `reserve` tries the ranked decode instances in turn; RESOURCE_EXHAUSTED (or a Reserve too
 slow to answer) moves on to the next, UNAVAILABLE marks the instance unhealthy. When every
-healthy one is full the request waits in the bounded admission queue (router/admission.py)
-until a request leaves a decode instance (`room_freed`) or `queue_timeout_s` passes; beyond
-`max_queued_requests` it is shed at once with RESOURCE_EXHAUSTED, so the requests already
-admitted keep their latency.
+healthy one is full (or none is up, say while one restarts) the request waits in the
+bounded admission queue (router/admission.py) until a request leaves a decode instance
+(`room_freed`), one comes back, or `queue_timeout_s` passes; beyond `max_queued_requests`
+it is shed at once with RESOURCE_EXHAUSTED, so the requests already admitted keep their
+latency.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import random
 import threading
 import time
 from functools import partial
+from typing import NoReturn
 
 import grpc
 
@@ -74,7 +76,8 @@ class Placement:
         self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
     ) -> tuple[Instance, pb.Reservation]:
         """Reserve on the best decode instance that has room, waiting in the admission queue
-        while every healthy one is full; aborts the call when none can take the request.
+        while every healthy one is full or none is up; aborts the call when none can take
+        the request.
         The caller releases the instance (`Registry.release`) when the request leaves it."""
         deadline = time.monotonic() + self._config.queue_timeout_s
         queued = False
@@ -83,16 +86,21 @@ class Placement:
                 found, full, down = self._try_reserve(handoff, request, overlap, context)
                 if found is not None:
                     return found
-                if not full:  # UNAVAILABLE (HTTP 503): nothing up; RESOURCE_EXHAUSTED (429): all full
-                    abort(context, grpc.StatusCode.UNAVAILABLE,
-                          f"no healthy decode instance ({'; '.join(down) or self._unhealthy()}); retry later")
+                # Nothing up: decode instances that are registered but down (a restart brings one
+                # back at its address) are waited for like full ones, up to queue_timeout_s;
+                # none registered, or the wait over: UNAVAILABLE (HTTP 503). All full: 429.
+                registered = bool(self._registry.of_role(EngineRole.DECODE))
+                if not full and (not registered or time.monotonic() >= deadline):
+                    self._none_up(context, down)
                 if not queued:
                     queued = self._admission.enter()
+                    if not queued and not full:
+                        self._none_up(context, down)
                     if not queued:
                         abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"every decode instance is full and {self._admission.num_queued} requests are queued; "
                               "retry later")
-                if time.monotonic() >= deadline:
+                if full and time.monotonic() >= deadline:
                     abort(
                         context,
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -106,9 +114,10 @@ class Placement:
             if queued:
                 self._admission.leave()
 
-    def _unhealthy(self) -> str:
+    def _none_up(self, context: grpc.ServicerContext, down: list[str]) -> NoReturn:
         names = [i.name for i in self._registry.of_role(EngineRole.DECODE)]
-        return f"{', '.join(names)}: not answering health polls" if names else "none registered"
+        why = "; ".join(down) or (f"{', '.join(names)}: not answering health polls" if names else "none registered")
+        abort(context, grpc.StatusCode.UNAVAILABLE, f"no healthy decode instance ({why}); retry later")
 
     def _try_reserve(
         self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
