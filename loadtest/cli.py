@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the rest loads when a bench runs: `vllm-cluster --help` stays fast
     from vllm_cluster.loadtest.datasets import SampleRequest
-    from vllm_cluster.loadtest.runner import RunOutcome
-    from vllm_cluster.loadtest.targets import Target
+    from vllm_cluster.loadtest.runner import RunOutcome, Schedule
+    from vllm_cluster.loadtest.targets import Target, TargetSpec
 
 DATASETS = ("random", "prefix_repetition", "sharegpt", "mooncake")
 BACKENDS = ("grpc", "openai", "openai-chat")
+CLIENT_BUSY_WARNING = 0.9  # of the CPU time the client processes could have had
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -94,6 +95,8 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--num-client-processes", type=int, default=1,
+                   help="send from N processes, each every N-th request, when one process cannot keep up")
 
 
 def _result_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +120,10 @@ def bench_main(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.bench_command == "throughput":
         return _throughput(args)
+    if args.num_client_processes < 1:
+        raise SystemExit(f"error: --num-client-processes must be >= 1, got {args.num_client_processes}")
+    if args.bench_command == "serve":
+        _check_shared_concurrency([args.max_concurrency], args.num_client_processes)
     from vllm_cluster.loadtest.datasets import DatasetError
 
     try:
@@ -175,14 +182,29 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     return args._tokenizer
 
 
-def make_target(args: argparse.Namespace, model: str) -> Target:
-    from vllm_cluster.loadtest.targets import GrpcTarget, OpenAITarget
+def target_spec(args: argparse.Namespace, model: str) -> TargetSpec:
+    from vllm_cluster.loadtest.targets import TargetSpec
 
     sampling = {"temperature": args.temperature, "ignore_eos": not args.no_ignore_eos}
-    if args.backend == "grpc":
-        return GrpcTarget(args.address, model, args.api_key, args.request_timeout, sampling)
-    endpoint = "chat" if args.backend == "openai-chat" else "completions"
-    return OpenAITarget(args.base_url, model, endpoint, args.api_key, args.request_timeout, sampling)
+    address = args.address if args.backend == "grpc" else args.base_url
+    return TargetSpec(args.backend, address, model, args.api_key, args.request_timeout, sampling)
+
+
+def make_target(args: argparse.Namespace, model: str) -> Target:
+    return target_spec(args, model).build()
+
+
+def _run(args: argparse.Namespace, model: str, requests: list[SampleRequest], schedule: Schedule) -> RunOutcome:
+    from vllm_cluster.loadtest.runner import run
+    from vllm_cluster.loadtest.shards import ClientProcessError, run_sharded
+
+    if args.num_client_processes > 1:
+        try:
+            return run_sharded(target_spec(args, model), requests, schedule, args.num_client_processes,
+                               on_start=lambda n: print(f"{n} client processes started", flush=True))
+        except ClientProcessError as e:
+            raise SystemExit(f"error: {e}") from None
+    return asyncio.run(run(make_target(args, model), requests, schedule, progress=not args.disable_tqdm))
 
 
 def _serve_once(
@@ -191,7 +213,7 @@ def _serve_once(
 ) -> tuple[dict[str, Any], RunOutcome]:
     from vllm_cluster.loadtest.metrics import format_table, parse_goodput, summarize
     from vllm_cluster.loadtest.plots import plot_run
-    from vllm_cluster.loadtest.runner import Schedule, run
+    from vllm_cluster.loadtest.runner import Schedule
 
     model = args.model or _server_model(args)
     schedule = Schedule(rate, args.burstiness, max_concurrency, args.use_trace_timestamps, args.num_warmups, args.seed)
@@ -201,7 +223,7 @@ def _serve_once(
         f"at {_rate_tag(rate, max_concurrency)}",
         flush=True,
     )
-    outcome = asyncio.run(run(make_target(args, model), requests, schedule, progress=not args.disable_tqdm))
+    outcome = _run(args, model, requests, schedule)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
     goodput = parse_goodput(args.goodput) if args.goodput else None
     summary = summarize(outcome.results, outcome.duration_s, percentiles, goodput)
@@ -209,12 +231,17 @@ def _serve_once(
         date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend=args.backend, model_id=model,
         dataset_name=args.dataset_name, request_rate=rate if math.isfinite(rate) else "inf",
         burstiness=args.burstiness, max_concurrency=max_concurrency, interrupted=outcome.interrupted,
+        num_client_processes=args.num_client_processes, client_cpu_s=outcome.client_cpu_s,
     )
     metrics = set(args.percentile_metrics.split(","))
     print(format_table({k: v for k, v in summary.items()
                         if not k.endswith("_ms") or any(f"_{m}_ms" in k for m in metrics)}))
     if outcome.interrupted:
         print(f"interrupted: {len(outcome.results)} of {len(requests)} requests measured")
+    busy = outcome.client_cpu_s / (outcome.duration_s * args.num_client_processes)
+    if busy > CLIENT_BUSY_WARNING:
+        print(f"note: the client processes were busy {busy:.0%} of the run, so the client may have been the "
+              f"bottleneck; try --num-client-processes {args.num_client_processes + 1} (one per free core)")
     if args.save_result or args.plot:
         stem = filename or f"{args.backend}-{_rate_tag(rate, max_concurrency)}-{summary['date']}.json"
         path = Path(args.result_dir) / stem
@@ -235,6 +262,7 @@ def _sweep(args: argparse.Namespace, requests: list[SampleRequest]) -> int:
     concurrencies = [int(c) for c in args.concurrencies.split(",") if c]
     if bool(rates) == bool(concurrencies):
         raise SystemExit("error: give exactly one of --request-rates and --concurrencies")
+    _check_shared_concurrency(list(concurrencies), args.num_client_processes)
     points: list[tuple[float, int | None]] = [(r, None) for r in rates] or [(math.inf, c) for c in concurrencies]
     rows = []
     for rate, concurrency in points:
@@ -306,6 +334,12 @@ def _server_model(args: argparse.Namespace) -> str:
         request.add_header("Authorization", f"Bearer {args.api_key}")
     with urllib.request.urlopen(request, timeout=30) as response:
         return str(json.loads(response.read())["data"][0]["id"])
+
+
+def _check_shared_concurrency(concurrencies: list[int | None], num_processes: int) -> None:
+    if any(c is not None and c < num_processes for c in concurrencies):
+        raise SystemExit(f"error: a max concurrency is shared by the {num_processes} client processes: "
+                         "give at least one per process, or fewer --num-client-processes")
 
 
 def _rate_tag(rate: float, concurrency: int | None) -> str:

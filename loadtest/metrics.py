@@ -4,15 +4,17 @@
 with vLLM's key for key) plus `errors` and, when the cluster reported them,
 `ttft_breakdown`. Latency statistics are over successful requests only; an empty list
 counts as 0, as in vLLM. TPOT is (e2e - ttft)/(output_len - 1) for requests with more
-than one output token; ITL pools every gap of every request. `format_table` renders a
-summary the way vLLM prints it.
+than one output token; ITL pools every gap between streamed pieces of every request (a
+piece carrying several tokens adds one gap, as in vLLM). `format_table` renders a summary
+the way vLLM prints it. A `RequestResult` crosses between processes as JSON (`to_json` /
+`from_json`), never pickled.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,17 @@ class RequestResult:
     e2e_s: float = 0.0
     error: str = ""  # an error type: "RESOURCE_EXHAUSTED", "HTTP 429", ...
     server_timings: dict[str, float] | None = None  # TTFT_PARTS, from the cluster
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON types; `from_json` gives an equal result back."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestResult:
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"a request result has unknown fields {sorted(unknown)}")
+        return cls(**data)
 
 
 def parse_goodput(specs: list[str]) -> dict[str, float]:

@@ -4,6 +4,8 @@ Arrivals: a request rate (Poisson, or gamma with a burstiness factor), optionall
 at a number of requests in flight, or the trace's own timestamps. Warm-up requests go
 first and are not measured. Ctrl-C stops sending, cancels what is in flight and returns
 what was measured so far (`interrupted=True`), so the caller can still print it.
+`measure` is the measured part alone, for client processes that share one start time
+(`loadtest/shards.py`).
 """
 
 from __future__ import annotations
@@ -39,35 +41,53 @@ class RunOutcome:
     results: list[RequestResult] = field(default_factory=list)
     duration_s: float = 0.0
     interrupted: bool = False
+    client_cpu_s: float = 0.0  # CPU time the client process(es) spent while measuring
+
+    def to_json(self) -> dict[str, Any]:
+        return {"results": [r.to_json() for r in self.results], "duration_s": self.duration_s,
+                "interrupted": self.interrupted, "client_cpu_s": self.client_cpu_s}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunOutcome:
+        results = [RequestResult.from_json(r) for r in data["results"]]
+        return cls(results, data["duration_s"], data["interrupted"], data["client_cpu_s"])
 
 
 async def run(target: Target, requests: list[SampleRequest], schedule: Schedule, progress: bool = True) -> RunOutcome:
-    if schedule.max_concurrency is not None and schedule.max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {schedule.max_concurrency}")
-    if schedule.use_trace_timestamps:
-        offsets = trace_offsets(requests)
-    else:
-        offsets = arrival_offsets(len(requests), schedule.request_rate, schedule.burstiness, schedule.seed)
+    offsets = schedule_offsets(requests, schedule)
     await target.start()
     try:
         for request in requests[: schedule.num_warmups]:
             await target.send(request, 0.0)
-        return await _measured(target, requests, offsets, schedule.max_concurrency, progress)
+        return await measure(target, requests, offsets, schedule.max_concurrency, progress)
     finally:
         await target.close()
 
 
-async def _measured(
-    target: Target, requests: list[SampleRequest], offsets: list[float], max_concurrency: int | None, progress: bool
+def schedule_offsets(requests: list[SampleRequest], schedule: Schedule) -> list[float]:
+    """When each request starts, in seconds from the start of the run."""
+    if schedule.max_concurrency is not None and schedule.max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {schedule.max_concurrency}")
+    if schedule.use_trace_timestamps:
+        return trace_offsets(requests)
+    return arrival_offsets(len(requests), schedule.request_rate, schedule.burstiness, schedule.seed)
+
+
+async def measure(
+    target: Target, requests: list[SampleRequest], offsets: list[float], max_concurrency: int | None,
+    progress: bool, start: float | None = None,
 ) -> RunOutcome:
+    """Send `requests` at `offsets` from `start` (a `time.perf_counter()` value; default now)
+    through a started target."""
     outcome = RunOutcome()
+    cpu_start_s = time.process_time()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: no Ctrl-C handling
         loop.add_signal_handler(signal.SIGINT, stop.set)
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     bar = tqdm(total=len(requests), disable=not progress, unit="req")
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
 
     async def one(request: SampleRequest) -> None:
         sent = time.perf_counter() - start
@@ -110,5 +130,6 @@ async def _measured(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGINT)
     outcome.duration_s = time.perf_counter() - start
+    outcome.client_cpu_s = time.process_time() - cpu_start_s
     outcome.results.sort(key=lambda r: r.start_s)
     return outcome

@@ -2,16 +2,21 @@
 OpenAI-compatible HTTP endpoint (ours, vLLM, SGLang, ...), so both can be measured alike.
 
 A target sends one SampleRequest, streaming, and times it on the client: time to the
-first token, the gap between streamed pieces (inter-token latency), end to end. Our gRPC
-API also reports where the server spent the time to first token (`server_timings`).
-Failures are results, never exceptions: `error` says what kind ("RESOURCE_EXHAUSTED",
-"HTTP 429", "timeout", ...).
+first token, the gap between streamed pieces (inter-token latency), end to end. A piece
+may carry several tokens (a server coalesces the tokens of a stream whose consumer lags);
+as in vLLM's `bench serve`, each piece after the first adds one gap, and the output length
+is the count the server reports (gRPC: usage, else the token ids received; HTTP: usage,
+else one token per piece with text). Our gRPC API also reports where the server spent the
+time to first token (`server_timings`). Failures are results, never exceptions: `error`
+says what kind ("RESOURCE_EXHAUSTED", "HTTP 429", "timeout", ...). A `TargetSpec` is what
+builds a target, as plain data that crosses to a client process as JSON.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
@@ -33,6 +38,24 @@ class Target(Protocol):
         """`start_s`: when it was sent, relative to the run's start (kept on the result)."""
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    backend: str  # "grpc", "openai" (/v1/completions) or "openai-chat" (/v1/chat/completions)
+    address: str  # host:port (grpc) or the base URL (openai*)
+    model: str
+    api_key: str = ""
+    timeout_s: float = 600.0
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Target:
+        if self.backend == "grpc":
+            return GrpcTarget(self.address, self.model, self.api_key, self.timeout_s, self.sampling)
+        if self.backend not in ("openai", "openai-chat"):
+            raise ValueError(f"backend must be 'grpc', 'openai' or 'openai-chat', got {self.backend!r}")
+        endpoint = "chat" if self.backend == "openai-chat" else "completions"
+        return OpenAITarget(self.address, self.model, endpoint, self.api_key, self.timeout_s, self.sampling)
 
 
 class GrpcTarget:
@@ -65,10 +88,13 @@ class GrpcTarget:
             msg.token_ids.ids.extend(request.prompt)
         result = RequestResult(success=False, prompt_len=request.prompt_len, start_s=start_s)
         sent = last = time.perf_counter()
+        num_tokens = 0
         try:
             async for piece in self._stub.Generate(msg, metadata=self._metadata, timeout=self._timeout_s):
                 now = time.perf_counter()
-                if piece.token_ids:
+                num_piece_tokens = len(piece.token_ids)
+                if num_piece_tokens:
+                    num_tokens += num_piece_tokens
                     if result.ttft_s == 0.0:
                         result.ttft_s = now - sent
                     else:
@@ -78,6 +104,7 @@ class GrpcTarget:
                     result.output_len = piece.usage.completion_tokens
                     result.prompt_len = piece.usage.prompt_tokens or request.prompt_len
                     result.server_timings = {f: getattr(piece.timings, f) for f in _TIMING_FIELDS}
+            result.output_len = result.output_len or num_tokens
             result.e2e_s = time.perf_counter() - sent
             result.success = result.output_len > 0
             if not result.success:
@@ -155,7 +182,7 @@ class OpenAITarget:
                             result.itl_s.append(now - last)
                         last = now
             result.e2e_s = time.perf_counter() - sent
-            result.output_len = result.output_len or num_pieces  # a server without usage in streams
+            result.output_len = result.output_len or num_pieces  # no usage: one token per piece, a lower bound
             result.success = result.output_len > 0
             if not result.success:
                 result.error = "no tokens"

@@ -4,6 +4,7 @@ the plots written as PNG files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,19 @@ def test_format_table() -> None:
     no_itl = {k: v for k, v in s.items() if not k.endswith("_itl_ms")}
     assert "Inter-token Latency" not in format_table(no_itl)
     assert "Inter-token Latency" in table
+
+
+def test_request_result_json_round_trip() -> None:
+    thirds = RequestResult(True, 4, 7, start_s=1 / 3, ttft_s=2e-5, itl_s=[1 / 7, 0.1 + 0.2], e2e_s=0.5)
+    results = [*hand_built(), thirds]
+    for result in results:
+        text = json.dumps(result.to_json())
+        assert RequestResult.from_json(json.loads(text)) == result
+    assert summarize([RequestResult.from_json(json.loads(json.dumps(r.to_json()))) for r in results], 2.0) == (
+        summarize(results, 2.0)
+    )
+    with pytest.raises(ValueError, match=r"unknown fields \['tokens'\]"):
+        RequestResult.from_json({**results[0].to_json(), "tokens": [1, 2]})
 
 
 def assert_png(path: Path) -> None:

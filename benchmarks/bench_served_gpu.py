@@ -1,0 +1,99 @@
+"""Served against offline on one GPU: `vllm-cluster bench serve` against a local cluster
+beside `vllm-cluster bench throughput` (offline `LLM.generate`), same engine settings, same
+prompts, same run.
+
+    python benchmarks/bench_served_gpu.py --tokenizer DIR [--model llama-3.1-8b --num-prompts 512 ...]
+
+Weights are random (`load_format: dummy`; speed does not depend on their values). The
+workload is the harness's random dataset (token ids from --tokenizer's vocabulary), every
+request sent at once, `ignore_eos`. Offline runs in a process of its own; served is one
+decode instance computing its prompts itself (colocated: this measures what the served path
+costs, not disaggregation, which `bench_disagg_gpu.py` measures), once per
+--stream-intervals value, each cluster started fresh. Prints output tokens/s and each
+served run's ratio to offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from vllm_cluster.cluster.local import LocalCluster
+
+CLI = [sys.executable, "-m", "vllm_cluster.cluster.cli"]
+
+
+def engine_section(args: argparse.Namespace, stream_interval: int) -> dict:
+    return {
+        "model": {"model": args.model, "load_format": "dummy",
+                  "dtype": "bfloat16" if args.device == "cuda" else "float32"},
+        "device": args.device,
+        "stream_interval": stream_interval,
+        "cache": {"enable_prefix_caching": False},  # random prompts: no hits, no hashing either
+    }
+
+
+def workload(args: argparse.Namespace) -> list[str]:
+    return ["--dataset-name", "random", "--num-prompts", str(args.num_prompts), "--tokenizer", args.tokenizer,
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--random-range-ratio", str(args.range_ratio), "--seed", "0"]
+
+
+def offline(args: argparse.Namespace, tmp: Path) -> float:
+    path = tmp / "offline.yaml"
+    path.write_text(yaml.safe_dump(engine_section(args, 1)))
+    out = tmp / "offline.json"
+    subprocess.run([*CLI, "bench", "throughput", "--config", str(path), *workload(args), "--output-json", str(out)],
+                   check=True)
+    return float(json.loads(out.read_text())["output_tokens_per_second"])
+
+
+def served(args: argparse.Namespace, tmp: Path, stream_interval: int) -> dict:
+    config = {"engine": engine_section(args, stream_interval), "cluster": {"num_prefill": 0, "num_decode": 1},
+              "router": {"min_prefill_tokens": 1 << 30, "queue_timeout_s": 600}}
+    path = tmp / f"served-{stream_interval}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    name = f"served-{stream_interval}.json"
+    with LocalCluster.from_yaml(path) as cluster:
+        subprocess.run([*CLI, "bench", "serve", "--backend", "grpc", "--address", cluster.router_address,
+                        "--api-key", cluster.api_key or "", *workload(args), "--num-warmups", "8",
+                        "--num-client-processes", str(args.client_processes), "--disable-tqdm",
+                        "--save-result", "--result-dir", str(tmp), "--result-filename", name], check=True)
+    return json.loads((tmp / name).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory or .gguf for the random prompts")
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--range-ratio", type=float, default=0.5)
+    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--stream-intervals", default="1,8")
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        base = offline(args, tmp)
+        runs = {k: served(args, tmp, k) for k in map(int, args.stream_intervals.split(","))}
+    print(f"\n{args.model}, {args.num_prompts} prompts x ({args.input_len} in / {args.output_len} out, "
+          f"range ratio {args.range_ratio}), all at once; {args.client_processes} client processes\n")
+    print("| path | output tok/s | of offline | median TTFT ms | median TPOT ms |")
+    print("|---|---|---|---|---|")
+    print(f"| offline `bench throughput` (baseline) | {base:.0f} | 1.00 | - | - |")
+    for interval, run in runs.items():
+        tps = run["output_throughput"]
+        print(f"| served `bench serve`, stream_interval {interval} | {tps:.0f} | {tps / base:.2f} | "
+              f"{run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
