@@ -6,11 +6,12 @@ prompts, same run.
 
 Weights are random (`load_format: dummy`; speed does not depend on their values). The
 workload is the harness's random dataset (token ids from --tokenizer's vocabulary), every
-request sent at once, `ignore_eos`. Offline runs in a process of its own; served is one
-decode instance computing its prompts itself (colocated: this measures what the served path
-costs, not disaggregation, which `bench_disagg_gpu.py` measures), once per
---stream-intervals value, each cluster started fresh. Prints output tokens/s and each
-served run's ratio to offline.
+request sent at once, `ignore_eos`. Offline runs in a process of its own. Served, once per
+--modes and --stream-intervals value, each cluster started fresh: `colocated` is one decode
+instance computing its prompts itself (what the served path costs); `disaggregated` is one
+prefill and one decode instance sharing the GPU, every prompt computed by the prefill and
+its KV handed over by --transport. Prints output tokens/s and each served run's ratio to
+offline.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def offline(args: argparse.Namespace, tmp: Path) -> float:
     return float(json.loads(out.read_text())["output_tokens_per_second"])
 
 
-def served(args: argparse.Namespace, tmp: Path, stream_interval: int) -> dict:
-    config = {"engine": engine_section(args, stream_interval), "cluster": {"num_prefill": 0, "num_decode": 1},
-              "router": {"min_prefill_tokens": 1 << 30, "queue_timeout_s": 600}}
-    path = tmp / f"served-{stream_interval}.yaml"
+def served(args: argparse.Namespace, tmp: Path, mode: str, stream_interval: int) -> dict:
+    disaggregated = mode == "disaggregated"
+    config = {"engine": engine_section(args, stream_interval),
+              "cluster": {"num_prefill": int(disaggregated), "num_decode": 1, "transport": args.transport},
+              "router": {"min_prefill_tokens": 0 if disaggregated else 1 << 30, "queue_timeout_s": 600}}
+    path = tmp / f"served-{mode}-{stream_interval}.yaml"
     path.write_text(yaml.safe_dump(config))
-    name = f"served-{stream_interval}.json"
+    name = f"served-{mode}-{stream_interval}.json"
     with LocalCluster.from_yaml(path) as cluster:
         subprocess.run([*CLI, "bench", "serve", "--backend", "grpc", "--address", cluster.router_address,
                         "--api-key", cluster.api_key or "", *workload(args), "--num-warmups", "8",
@@ -78,20 +81,23 @@ def main() -> None:
     parser.add_argument("--range-ratio", type=float, default=0.5)
     parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--stream-intervals", default="1,8")
+    parser.add_argument("--modes", default="colocated", help="comma-separated: colocated, disaggregated")
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
+    parser.add_argument("--transport", default="cuda_ipc", help="KV hand-off (disaggregated)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         base = offline(args, tmp)
-        runs = {k: served(args, tmp, k) for k in map(int, args.stream_intervals.split(","))}
+        runs = {(mode, k): served(args, tmp, mode, k)
+                for mode in args.modes.split(",") for k in map(int, args.stream_intervals.split(","))}
     print(f"\n{args.model}, {args.num_prompts} prompts x ({args.input_len} in / {args.output_len} out, "
           f"range ratio {args.range_ratio}), all at once; {args.client_processes} client processes\n")
     print("| path | output tok/s | of offline | median TTFT ms | median TPOT ms |")
     print("|---|---|---|---|---|")
     print(f"| offline `bench throughput` (baseline) | {base:.0f} | 1.00 | - | - |")
-    for interval, run in runs.items():
+    for (mode, interval), run in runs.items():
         tps = run["output_throughput"]
-        print(f"| served `bench serve`, stream_interval {interval} | {tps:.0f} | {tps / base:.2f} | "
+        print(f"| served `bench serve`, {mode}, stream_interval {interval} | {tps:.0f} | {tps / base:.2f} | "
               f"{run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} |")
 
 
