@@ -34,16 +34,18 @@ import grpc
 
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.worker.rpc import CHANNEL_OPTIONS
+from vllm_cluster.worker.rpc import CHANNEL_OPTIONS, RETRY_AFTER_KEY
 
 
 class ClientError(Exception):
-    """A failed call: `code` (grpc.StatusCode) and the server's `message`."""
+    """A failed call: `code` (grpc.StatusCode), the server's `message` and, when the cluster
+    was full (RESOURCE_EXHAUSTED), `retry_after_s`: the router's estimate of when to retry."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -204,4 +206,9 @@ def _sampling_params(fields: dict[str, Any]) -> pb.SamplingParams:
 def _client_error(e: grpc.RpcError) -> ClientError:
     code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = e.details() if isinstance(e, grpc.Call) else str(e)
-    return ClientError(code, details or code.name.lower())
+    retry_after_s = None
+    if isinstance(e, grpc.Call):
+        for key, value in e.trailing_metadata() or ():
+            if key == RETRY_AFTER_KEY and str(value).isdigit():
+                retry_after_s = int(value)
+    return ClientError(code, details or code.name.lower(), retry_after_s)

@@ -7,7 +7,8 @@ healthy one is full (or none is up, say while one restarts) the request waits in
 bounded admission queue (router/admission.py) until a request leaves a decode instance
 (`room_freed`), one comes back, or `queue_timeout_s` passes; beyond `max_queued_requests`
 it is shed at once with RESOURCE_EXHAUSTED, so the requests already admitted keep their
-latency.
+latency. A shed request's trailing metadata carries `retry-after-s`, from the queue
+(`AdmissionQueue.retry_after_s`); the HTTP front sends it as Retry-After.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from vllm_cluster.router.handoff import Handoff, HandoffState
 from vllm_cluster.router.policy import PrefixWeights, rank
 from vllm_cluster.router.registry import Instance, Registry
 from vllm_cluster.worker.router_config import RouterConfig
+from vllm_cluster.worker.rpc import RETRY_AFTER_KEY
 
 # Full (RESOURCE_EXHAUSTED), too busy to answer in time (DEADLINE_EXCEEDED: load, counted as
 # full, never as down), or down (UNAVAILABLE): the next instance is tried.
@@ -97,22 +99,23 @@ class Placement:
                     if not queued and not full:
                         self._none_up(context, down)
                     if not queued:
-                        abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"every decode instance is full and {self._admission.num_queued} requests are queued; "
-                              "retry later")
+                        self._shed(context, f"every decode instance is full and {self._admission.num_queued} "
+                                   "requests are queued")
                 if full and time.monotonic() >= deadline:
-                    abort(
-                        context,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"no decode instance had room within {self._config.queue_timeout_s:g}s "
-                        f"({'; '.join(full)}); retry later",
-                    )
+                    self._shed(context, f"no decode instance had room within {self._config.queue_timeout_s:g}s "
+                                        f"({'; '.join(full)})")
                 if handoff.state == HandoffState.ABORTED:
                     end_aborted(context, handoff)
                 self._admission.wait_for_room(deadline - time.monotonic())
         finally:
             if queued:
                 self._admission.leave()
+
+    def _shed(self, context: grpc.ServicerContext, why: str) -> NoReturn:
+        """RESOURCE_EXHAUSTED (HTTP 429), with when to retry in the trailing metadata."""
+        retry_after_s = self._admission.retry_after_s()
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_s)),))
+        abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry in {retry_after_s} s")
 
     def _none_up(self, context: grpc.ServicerContext, down: list[str]) -> NoReturn:
         names = [i.name for i in self._registry.of_role(EngineRole.DECODE)]

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 logger = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "x-cluster-token"
+RETRY_AFTER_KEY = "retry-after-s"  # trailing metadata of a RESOURCE_EXHAUSTED: when to retry, whole seconds
 TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
 API_KEY_ENV = "VLLM_API_KEY"  # the client API key when router.api_key is empty (vLLM's name)
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

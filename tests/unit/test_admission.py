@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from vllm_cluster.router.admission import AdmissionQueue
+from vllm_cluster.router.admission import MAX_RETRY_AFTER_S, AdmissionQueue
 
 
 def test_bound_and_count() -> None:
@@ -43,3 +43,21 @@ def test_wait_ends_at_its_timeout_without_room() -> None:
     start = time.monotonic()
     queue.wait_for_room(timeout_s=0.0)
     assert time.monotonic() - start < 5.0
+
+
+def test_retry_after_is_the_time_the_queue_needs_at_the_recent_departure_rate() -> None:
+    queue = AdmissionQueue(max_queued=100)
+    assert queue.retry_after_s() == 1  # no departures yet: no rate to go by
+    for _ in range(10):  # 10 requests leave within a second: at least 10 per second
+        queue.room_freed()
+    assert queue.retry_after_s() == 1
+    for _ in range(49):
+        assert queue.enter()
+    assert queue.retry_after_s() == 5  # 50 ahead (49 queued and this one) at 10 per second
+    for _ in range(49):
+        queue.leave()
+    big = AdmissionQueue(max_queued=10_000)
+    big.room_freed()
+    for _ in range(5000):
+        big.enter()
+    assert big.retry_after_s() == MAX_RETRY_AFTER_S
