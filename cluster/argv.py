@@ -3,6 +3,8 @@ Ray launcher (cluster/ray_cluster.py), `vllm-cluster worker` and docker-compose.
 
 Placeholders that the process's host fills in: "{python}" (its interpreter), "{config}"
 (the pool's resolved YAML), "{ready}" (its ready file), "{node_ip}" (its node's address).
+The Redis URL, which may carry a password, is no argument (`ps` shows those to every user):
+each process gets it in its environment (`redis_env`), as it gets the cluster token.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 from vllm_cluster.cluster.config import Deployment
 from vllm_cluster.cluster.layout import InstancePlan
 from vllm_cluster.engine.config import EngineRole
+from vllm_cluster.worker.rpc import REDIS_URL_ENV
 
 ANY_HOST = ("0.0.0.0", "::", "")
 
 
-def worker_argv(deployment: Deployment, plan: InstancePlan, redis_url: str, kv_host: str = "") -> list[str]:
+def worker_argv(deployment: Deployment, plan: InstancePlan, kv_host: str = "") -> list[str]:
     """`python -m prefill_service ...` (or decode_service) for one instance. `kv_host`: where
     its KV listener binds and is reached; default cluster.host, or the node's address when
     that is a wildcard."""
@@ -29,22 +32,24 @@ def worker_argv(deployment: Deployment, plan: InstancePlan, redis_url: str, kv_h
     ]
     if cluster.num_threads is not None:
         argv += ["--num-threads", str(cluster.num_threads)]
-    if deployment.wants_prefix_index and redis_url:
-        argv += ["--redis-url", redis_url]
     if cluster.kv_faults and plan.role == EngineRole.PREFILL:
         argv += ["--kv-faults", cluster.kv_faults]
     return argv
 
 
-def router_argv(deployment: Deployment, prefill: list[str], decode: list[str], redis_url: str) -> list[str]:
+def router_argv(deployment: Deployment, prefill: list[str], decode: list[str]) -> list[str]:
     """`python -m router ...` given the instances' gRPC addresses."""
     router = deployment.router
     argv = ["{python}", "-m", "vllm_cluster.router", "--config", "{config}", "--ready-file", "{ready}",
             "--port", str(router.port), "--http-port", str(router.http_port)]
-    if redis_url:
-        argv += ["--redis-url", redis_url]
     for address in prefill:
         argv += ["--prefill", address]
     for address in decode:
         argv += ["--decode", address]
     return argv
+
+
+def redis_env(deployment: Deployment, redis_url: str) -> dict[str, str]:
+    """The environment that tells a worker or the router where Redis is (nothing without a
+    prefix index: workers then publish nothing)."""
+    return {REDIS_URL_ENV: redis_url} if deployment.wants_prefix_index and redis_url else {}

@@ -189,12 +189,13 @@ class Deployment:
     def process_yaml(self, role: str) -> str:
         """The resolved file one pool's processes read (`--config`): overrides applied, the
         pool's tensor/pipeline split in engine.parallel. The router reads the decode pool's.
-        It is written next to the logs, so it holds no secret: router.api_key is left empty
-        (the router takes the key from its environment, API_KEY_ENV)."""
+        It is written next to the logs, so it holds no secret: router.api_key and the Redis
+        URLs (which may carry a password) are left empty; the processes take them from their
+        environment (API_KEY_ENV, REDIS_URL_ENV)."""
         data = {
             "engine": dataclasses.asdict(self.engine_for(role)),
-            "cluster": dataclasses.asdict(self.cluster),
-            "router": dataclasses.asdict(dataclasses.replace(self.router, api_key="")),
+            "cluster": dataclasses.asdict(dataclasses.replace(self.cluster, redis_url="")),
+            "router": dataclasses.asdict(dataclasses.replace(self.router, api_key="", redis_url="")),
         }
         return "# written by vllm-cluster up: the resolved config, overrides applied\n" + yaml.safe_dump(
             data, sort_keys=False

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_cluster.cluster.argv import worker_argv
+from vllm_cluster.cluster.argv import redis_env, worker_argv
 from vllm_cluster.cluster.config_file import load_deployment
 from vllm_cluster.cluster.layout import plan_instances
 from vllm_cluster.engine.errors import ConfigError
@@ -23,19 +23,21 @@ from vllm_cluster.engine.errors import ConfigError
 
 def worker_main(args: argparse.Namespace) -> int:
     try:
-        argv = worker_command(args)
+        argv, env = worker_command(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(shlex.join(argv))
+        print(shlex.join([f"{k}={v}" for k, v in env.items()] + argv))
         return 0
     sys.stdout.flush()
+    os.environ.update(env)
     os.execv(argv[0], argv)
     raise AssertionError("execv returned")
 
 
-def worker_command(args: argparse.Namespace) -> list[str]:
+def worker_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The worker's command line, and what its environment adds (the Redis URL)."""
     deployment = load_deployment(args.config, args.overrides)
     plans = [p for p in plan_instances(deployment, use_gpus=False) if p.role == args.role]
     if not 0 <= args.index < len(plans):
@@ -43,8 +45,9 @@ def worker_command(args: argparse.Namespace) -> list[str]:
     plan = plans[args.index]
     resolved = args.resolved_config or Path(tempfile.mkdtemp(prefix="vllm-cluster-")) / f"{plan.name}.yaml"
     resolved.write_text(deployment.process_yaml(args.role))
-    argv = worker_argv(deployment, plan, deployment.redis_url, args.kv_host)
+    argv = worker_argv(deployment, plan, args.kv_host)
     at = argv.index("--ready-file")
     del argv[at:at + 2]  # nobody waits for a ready file here: the health service says when it is up
     node_ip = socket.gethostbyname(socket.gethostname())
-    return [a.format(python=sys.executable, config=resolved, node_ip=node_ip) for a in argv]
+    argv = [a.format(python=sys.executable, config=resolved, node_ip=node_ip) for a in argv]
+    return argv, redis_env(deployment, deployment.redis_url)

@@ -29,7 +29,7 @@ import yaml
 from vllm_cluster.cluster.config import ClusterConfig
 from vllm_cluster.cluster.procs import reap_when_done
 from vllm_cluster.kv_index.redis_server import EmbeddedRedis, start_embedded_redis
-from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV
+from vllm_cluster.worker.rpc import API_KEY_ENV, REDIS_URL_ENV, TOKEN_ENV
 
 
 @dataclass
@@ -97,8 +97,6 @@ class LocalCluster:
                 f"{self.config.host}:{p.info['port']}" for p in workers if p.name.startswith("decode")
             ]
             args = ["--port", str(self.router_port), "--http-port", str(self.http_port)]
-            if self.redis_url:
-                args += ["--redis-url", self.redis_url]
             for address in self.prefill_addresses:
                 args += ["--prefill", address]
             for address in self.decode_addresses:
@@ -168,12 +166,13 @@ class LocalCluster:
                 cmd += ["--num-threads", str(self.config.num_threads)]
             # Every instance of a local cluster runs on this machine's GPU(s).
             cmd += ["--instances-per-gpu", str(self.config.num_prefill + self.config.num_decode)]
-            if self.redis_url:
-                cmd += ["--redis-url", self.redis_url]
             if self.config.kv_faults and module == "prefill_service":
                 cmd += ["--kv-faults", self.config.kv_faults]
         cmd += extra or []
         env = {**os.environ, TOKEN_ENV: self.token}
+        env.pop(REDIS_URL_ENV, None)
+        if self.redis_url:  # in the environment, with the token: it may carry a password
+            env[REDIS_URL_ENV] = self.redis_url
         if module == "router":
             env[API_KEY_ENV] = self.api_key
         with open(log, "wb") as out:

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from vllm_cluster.cluster.argv import ANY_HOST, router_argv, worker_argv
+from vllm_cluster.cluster.argv import ANY_HOST, redis_env, router_argv, worker_argv
 from vllm_cluster.cluster.config import Deployment
 from vllm_cluster.cluster.layout import InstancePlan
 from vllm_cluster.cluster.process_host import ProcessHost, ProcessSpec, RankSlot, Started
@@ -163,14 +163,15 @@ class RayCluster:
         return actors[0].start.remote(devices)
 
     def _worker_spec(self, plan: InstancePlan) -> ProcessSpec:
-        argv = worker_argv(self.deployment, plan, self.redis_url)
-        return self._spec(plan.name, tuple(argv), config_text=self.deployment.process_yaml(plan.role))
+        argv = worker_argv(self.deployment, plan)
+        return self._spec(plan.name, tuple(argv), config_text=self.deployment.process_yaml(plan.role),
+                          env=redis_env(self.deployment, self.redis_url))
 
     def _start_router(self) -> None:
         router = self.deployment.router
-        argv = router_argv(self.deployment, self.prefill_addresses, self.decode_addresses, self.redis_url)
+        argv = router_argv(self.deployment, self.prefill_addresses, self.decode_addresses)
         spec = self._spec("router", tuple(argv), config_text=self.deployment.process_yaml(EngineRole.DECODE),
-                          env={API_KEY_ENV: self.api_key})
+                          env={API_KEY_ENV: self.api_key, **redis_env(self.deployment, self.redis_url)})
         started = self._run_on_this_node("router", spec, num_cpus=self.deployment.cluster.router_num_cpus)
         host = started.node_ip if router.host in ANY_HOST else router.host
         self.router_address = f"{host}:{started.info['port']}"

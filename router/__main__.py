@@ -27,7 +27,7 @@ from vllm_cluster.router.openai.serving import OpenAIServing
 from vllm_cluster.router.registry import Registry
 from vllm_cluster.router.servicer import RouterServicer
 from vllm_cluster.worker.router_config import RouterConfig
-from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV, announce_and_wait, make_server
+from vllm_cluster.worker.rpc import API_KEY_ENV, REDIS_URL_ENV, TOKEN_ENV, announce_and_wait, make_server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", action="append", default=[], help="host:port of a decode instance")
     parser.add_argument("--port", type=int, default=None, help="overrides router.port; 0 picks one")
     parser.add_argument("--http-port", type=int, default=None, help="overrides router.http_port; 0 picks one")
-    parser.add_argument("--redis-url", default=None, help="overrides router.redis_url")
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV),
+                        help=f"overrides router.redis_url (default ${REDIS_URL_ENV}: a password stays out of `ps`)")
     parser.add_argument("--ready-file", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")

@@ -21,7 +21,7 @@ from vllm_cluster.engine.tokenizer import load_tokenizer
 from vllm_cluster.kv_index import BlockEventPublisher
 from vllm_cluster.kv_transfer import faults
 from vllm_cluster.metrics import InstanceMetrics
-from vllm_cluster.worker.rpc import TOKEN_ENV, HealthReporter, announce_and_wait, make_server
+from vllm_cluster.worker.rpc import REDIS_URL_ENV, TOKEN_ENV, HealthReporter, announce_and_wait, make_server
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +37,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instances-per-gpu", type=int, default=1,
                         help="instances sharing this GPU: where the config sets no KV cache size, each takes "
                              "this share of the default gpu_memory_utilization")
-    parser.add_argument("--redis-url", default="",
-                        help="publish prefix-cache block events to this Redis (empty: don't)")
+    parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV, ""),
+                        help=f"publish prefix-cache block events to this Redis (empty: don't; default "
+                             f"${REDIS_URL_ENV}: a password stays out of `ps`)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port, on --host; 0 picks a free one (see the ready file)")
     parser.add_argument("--drain-grace-s", type=float, default=30.0,

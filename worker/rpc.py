@@ -30,6 +30,7 @@ TOKEN_METADATA_KEY = "x-cluster-token"
 RETRY_AFTER_KEY = "retry-after-s"  # trailing metadata of a RESOURCE_EXHAUSTED: when to retry, whole seconds
 TOKEN_ENV = "VLLM_CLUSTER_TOKEN"  # a secret: kept off the command line, where `ps` shows it
 API_KEY_ENV = "VLLM_API_KEY"  # the client API key when router.api_key is empty (vLLM's name)
+REDIS_URL_ENV = "VLLM_CLUSTER_REDIS_URL"  # may carry a password: kept off the command line too
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 # A synchronous gRPC server runs each call on a thread of its pool, and a streaming call

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vllm_cluster.cluster.argv import redis_env, router_argv, worker_argv
 from vllm_cluster.cluster.cli import main
 from vllm_cluster.cluster.config_file import load_deployment
 from vllm_cluster.cluster.layout import (
@@ -20,12 +21,14 @@ from vllm_cluster.cluster.layout import (
     check_layout,
     check_ports_free,
     listen_ports,
+    plan_instances,
 )
 from vllm_cluster.cluster.procs import ProcessRef
 from vllm_cluster.cluster.state import ClusterState, ProcessRecord
 from vllm_cluster.engine.config import EngineConfig
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.worker.router_config import RouterConfig
+from vllm_cluster.worker.rpc import REDIS_URL_ENV
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = """\
@@ -255,3 +258,24 @@ def test_resolved_yaml_holds_no_api_key(tmp_path: Path, capsys: pytest.CaptureFi
                  "--resolved-config", str(resolved), "--dry-run"]) == 0
     assert "vllm_cluster.prefill_service" in capsys.readouterr().out
     assert resolved.exists() and key not in resolved.read_text()
+
+
+def test_a_redis_password_is_in_no_command_line_and_no_resolved_yaml(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ps` shows every process's arguments to every user, and the resolved YAML lies next
+    to the logs: the Redis URL reaches workers and the router in their environment."""
+    url = "redis://:s3cret-pass@10.0.0.5:6379"
+    deployment = load_deployment(_file(tmp_path, SMALL), [f"cluster.redis_url={url}"])
+    assert deployment.redis_url == url
+    for role in ("prefill", "decode"):
+        assert "s3cret-pass" not in deployment.process_yaml(role)
+    plans = plan_instances(deployment, use_gpus=False)
+    assert not any("s3cret-pass" in " ".join(worker_argv(deployment, p)) for p in plans)
+    assert "s3cret-pass" not in " ".join(router_argv(deployment, ["a:1"], ["b:2"]))
+    assert redis_env(deployment, deployment.redis_url) == {REDIS_URL_ENV: url}
+    resolved = tmp_path / "decode-0.yaml"
+    assert main(["worker", "decode", "-f", str(tmp_path / "cluster.yaml"), "--set", f"cluster.redis_url={url}",
+                 "--resolved-config", str(resolved), "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith(f"{REDIS_URL_ENV}={url} ")  # the command for a container, in full
+    assert "s3cret-pass" not in resolved.read_text()

@@ -17,6 +17,7 @@ import vllm_cluster.router.__main__ as router_main
 from vllm_cluster.cluster.cli import main as cli_main
 from vllm_cluster.cluster.config_file import load_deployment
 from vllm_cluster.cluster.instance import worker_command
+from vllm_cluster.worker.rpc import REDIS_URL_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_MAINS = {
@@ -93,12 +94,12 @@ def test_every_command_is_one_the_parsers_accept(parse: Any, tmp_path: Path) -> 
         args = parse(cli_main, command[1:])
         args.config = str(ROOT / "configs" / Path(args.config).name)  # /app/configs in the image
         args.resolved_config = tmp_path / f"{name}.yaml"
-        argv = worker_command(args)
+        argv, env = worker_command(args)
         assert argv[1:3] == ["-m", f"vllm_cluster.{args.role}_service"]
         worker = parse(SERVICE_MAINS[argv[2]], argv[3:])
         assert worker.name == name
         assert worker.kv_host == service["networks"]["kv"]["ipv4_address"]
-        assert worker.redis_url == "redis://redis:6379"
+        assert "--redis-url" not in argv and env == {REDIS_URL_ENV: "redis://redis:6379"}
         health = _health(parse, service)
         assert health.command == "health" and health.address == f"127.0.0.1:{worker.port}"
         worker_addresses[args.role].append(f"{name}:{worker.port}")
