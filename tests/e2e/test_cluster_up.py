@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,6 +119,29 @@ def test_up_request_status_logs_down(tmp_path: Path) -> None:
             time.sleep(1.0)
         assert rows["decode-0"]["restarts"] == 1 and rows["decode-0"]["last_exit"] == "killed by SIGKILL"
         assert rows["decode-0"]["pid"] != state.record("decode-0").process.pid
+
+        # The router (with its HTTP front) and Redis crash at once: both come back on their
+        # ports, and the same request is answered over gRPC and HTTP.
+        for name in ("router", "redis"):
+            state.record(name).process.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            status = _cli("status", *where, "--json")
+            rows = {row["name"]: row for row in map(json.loads, status.stdout.splitlines())}
+            if status.returncode == 0 and all(rows[n]["restarts"] == 1 for n in ("router", "redis")):
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(1.0)
+        with Client(state.router_address, api_key=state.api_key) as client:
+            again = client.generate("The capital of France is", max_tokens=8, temperature=0)
+        assert again.text == result.text
+        request = urllib.request.Request(
+            f"{state.http_address}/v1/completions", method="POST",
+            data=json.dumps({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).encode(),
+            headers={"Authorization": f"Bearer {state.api_key}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["choices"][0]["text"] == result.text
     finally:
         down = _cli("down", *where, timeout_s=300)
     assert down.returncode == 0, down.stdout + down.stderr
