@@ -62,10 +62,12 @@ def message_sizes(max_tokens: int, tokens_per_message: int) -> list[int]:
 
 
 class CannedGeneration(pb_grpc.GenerationServicer):
-    """`Generation.Generate` and `ListModels` over grpc.aio."""
+    """The `Generation` service over grpc.aio: canned streams, the model, and LoRA adapters
+    that are only names (loaded, listed, unloaded; nothing is read from their paths)."""
 
     def __init__(self, config: CannedConfig) -> None:
         self._config = config
+        self._adapters: dict[str, str] = {}  # name -> path
 
     async def Generate(  # noqa: N802 (the gRPC method's name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -88,6 +90,28 @@ class CannedGeneration(pb_grpc.GenerationServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelCard(id=self._config.model)])
+
+    async def Abort(  # noqa: N802
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        return pb.AbortResponse(found=False)  # a canned stream has nothing to stop early
+
+    async def LoadLoRAAdapter(  # noqa: N802
+        self, request: pb.LoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAAdapterResponse:
+        if not request.lora_name or not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give lora_name and lora_path")
+        changed = self._adapters.get(request.lora_name) != request.lora_path
+        self._adapters[request.lora_name] = request.lora_path
+        return pb.LoRAAdapterResponse(changed=changed)
+
+    async def UnloadLoRAAdapter(  # noqa: N802
+        self, request: pb.LoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoRAAdapterResponse:
+        if request.lora_name not in self._adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.lora_name!r} is loaded")
+        del self._adapters[request.lora_name]
+        return pb.LoRAAdapterResponse(changed=True)
 
 
 def _response(request_id: str, num_tokens: int) -> pb.GenerateResponse:

@@ -97,9 +97,9 @@ def _start_http(
     def is_healthy() -> bool:
         return not draining.is_set() and any(i.healthy for i in registry.of_role(EngineRole.DECODE))
 
-    app = build_app(serving, api_key, config.max_request_bytes, is_healthy, metrics)
+    app = build_app(serving, api_key, config.max_request_bytes, is_healthy, metrics, config.http_body_timeout_s)
     port = config.http_port if args.http_port is None else args.http_port
-    return HttpServer(app, config.host, port, config.tls).start()
+    return HttpServer(app, config.host, port, config.tls, config.http_header_timeout_s).start()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ class RouterConfig:
     # route but /health. Empty: the VLLM_API_KEY environment variable, else no key.
     api_key: str = ""
     max_request_bytes: int = 16 * 1024 * 1024  # larger HTTP bodies get 413
+    # A request's line and headers must be whole this long after its first byte (or after the
+    # connection opened), its body this long after the request began; else 408 and close.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 60.0
     # TLS for both client listeners (PEM files; both or neither). The HTTP front then reaches
     # the gRPC API over an extra plaintext listener on 127.0.0.1.
     tls_certfile: str = ""
@@ -86,7 +90,7 @@ class RouterConfig:
             raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
         for name in (
             "drain_grace_s", "lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s",
-            "prefix_index_timeout_s",
+            "prefix_index_timeout_s", "http_header_timeout_s", "http_body_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0")

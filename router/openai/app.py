@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from vllm_cluster.router.openai.errors import ApiError, error_response, invalid_body
-from vllm_cluster.router.openai.guard import Guard
+from vllm_cluster.router.openai.guard import Guard, with_header_timeout
 from vllm_cluster.router.openai.openapi import document, error_responses
 from vllm_cluster.router.openai.protocol import (
     ChatCompletionRequest,
@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _UNGUARDED_PATHS = ("/health",)
 _STREAMED: dict[int | str, dict[str, Any]] = {200: {
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    "content": {"text/event-stream": {"schema": {  # one event: `data` a JSON chunk, or [DONE] at the end
+        "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "required": ["data"],
+    }}},
     "description": "The whole object, or with `stream: true` server-sent events.",
 }}
 _GENERATION_RESPONSES = {**_STREAMED, **error_responses(400, 404, 429, 503)}
@@ -125,12 +127,12 @@ def build_app(
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await _respond(request, serving.responses(body, _request_id(request)))
 
-    @app.post("/tokenize", responses=error_responses(400))
+    @app.post("/tokenize", responses=error_responses(400, 404))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None else None
         return serving.tokenize(body.prompt, messages, body.add_special_tokens, body.add_generation_prompt)
 
-    @app.post("/detokenize", responses=error_responses(400))
+    @app.post("/detokenize", responses=error_responses(400, 404))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return serving.detokenize(body.tokens)
 
@@ -193,13 +195,16 @@ async def _wait_disconnect(request: Request) -> None:
 class HttpServer:
     """uvicorn on its own thread and event loop, so the gRPC router keeps the main thread."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, tls: tuple[Path, Path] | None = None, header_timeout_s: float = 10.0,
+    ) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = int(self._sock.getsockname()[1])
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+            http=with_header_timeout(header_timeout_s),
             ssl_certfile=str(tls[0]) if tls else None, ssl_keyfile=str(tls[1]) if tls else None,
         )
         self._server = uvicorn.Server(config)

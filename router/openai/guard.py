@@ -9,6 +9,12 @@ untouched).
    `Connection: close`, and the app is told the client has gone, so a slow or endless body
    holds neither a connection nor a handler. Once the body is whole (or the app has started
    its answer) nothing is timed: the app's wait for a hang-up is unbounded.
+
+Before all that, the headers (`HeadersInTime`, the server's HTTP/1.1 protocol): a request
+line and headers not whole `header_timeout_s` after the connection opened, or after the
+first byte of a next request on a kept-alive connection, get a 408 and the connection is
+closed, so a client that trickles its headers (slowloris) holds no connection. uvicorn
+times only idle kept-alive connections.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ import asyncio
 import hashlib
 import hmac
 import uuid
+from typing import Any
 
+import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vllm_cluster.router.openai.errors import ApiError, error_response
 
@@ -134,3 +143,52 @@ async def _answer_and_close(e: ApiError, scope: Scope, send: Send) -> None:
         return {"type": "http.disconnect"}
 
     await response(scope, nothing_more, send)
+
+
+class HeadersInTime(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's line and headers."""
+
+    header_timeout_s = 10.0  # set per server: `with_header_timeout`
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._headers_due: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_watching()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        # h11 leaves IDLE once a request's line and headers are whole.
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            self._stop_watching()
+        elif self._headers_due is None:
+            self._headers_due = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _stop_watching(self) -> None:
+        if self._headers_due is not None:
+            self._headers_due.cancel()
+            self._headers_due = None
+
+    def _headers_late(self) -> None:
+        self._headers_due = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            body = b"request headers did not arrive in time"
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            self.transport.close()
+
+
+def with_header_timeout(header_timeout_s: float) -> type[HeadersInTime]:
+    """The protocol class for one server (uvicorn takes a class)."""
+    return type("HeadersInTime", (HeadersInTime,), {"header_timeout_s": header_timeout_s})

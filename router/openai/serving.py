@@ -265,6 +265,8 @@ class OpenAIServing:
         tokenizer = self._need_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        if not messages:
+            raise bad_request("messages is empty: send at least one message", "messages")
         if add_generation_prompt:
             return apply_chat_template(tokenizer, messages)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)

@@ -46,11 +46,13 @@ class Front(NamedTuple):
 
 
 @contextlib.contextmanager
-def start_front(router_address: str, **options: Any) -> Iterator[Front]:
+def start_front(
+    router_address: str, tokenizer: Any = None, header_timeout_s: float = 10.0, **options: Any
+) -> Iterator[Front]:
     """The real HTTP front (build_app on uvicorn, on loopback) over the router's gRPC API at
-    `router_address`. It has no tokenizer: prompts are token ids."""
-    serving = OpenAIServing(RouterBackend(router_address, KEY), None, MODEL, 1024)
-    server = HttpServer(build_app(serving, KEY, **options), "127.0.0.1", 0).start()
+    `router_address`. Without a tokenizer, prompts are token ids."""
+    serving = OpenAIServing(RouterBackend(router_address, KEY), tokenizer, MODEL, 1024)
+    server = HttpServer(build_app(serving, KEY, **options), "127.0.0.1", 0, header_timeout_s=header_timeout_s).start()
     try:
         yield Front(f"http://127.0.0.1:{server.port}")
     finally:
@@ -125,6 +127,21 @@ def post_partial_body(front: LocalCluster | Front, declared: int, sent: bytes) -
         sock.settimeout(15)
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
+        answer = b""
+        try:
+            while chunk := sock.recv(4096):
+                answer += chunk
+        except TimeoutError:
+            return answer, False
+        return answer, True
+
+
+def send_and_wait(front: LocalCluster | Front, sent: bytes) -> tuple[bytes, bool]:
+    """Send `sent` (a request's start, or nothing) and wait: what the server answers, and
+    whether it then closed the connection."""
+    with _connect(front) as sock:
+        sock.settimeout(15)
+        sock.sendall(sent)
         answer = b""
         try:
             while chunk := sock.recv(4096):

@@ -25,6 +25,7 @@ from tests.integration.openai_support import (
     post_huge_body,
     post_partial_body,
     rss_mb,
+    send_and_wait,
     start_cluster,
     start_front,
 )
@@ -231,6 +232,19 @@ def test_slow_body_is_cut_off_with_408(cluster: LocalCluster) -> None:
                                {"prompt": [1, 2, 3], "max_tokens": 96, "ignore_eos": True, "temperature": 0})
         assert status == 200 and body["usage"]["completion_tokens"] == 96, body
     assert_blocks_return(cluster)
+
+
+def test_slow_headers_are_cut_off_with_408(cluster: LocalCluster) -> None:
+    """A front with a 1 s header timeout: headers that trickle in, or never come, get 408
+    and a closed connection; a whole request on the next connection is served."""
+    with start_front(cluster.router_address, header_timeout_s=1.0) as front:
+        for sent in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app", b""):
+            started = time.monotonic()
+            answer, closed = send_and_wait(front, sent)
+            assert answer.startswith(b"HTTP/1.1 408") and closed, (sent, answer)
+            assert time.monotonic() - started < 10
+        status, _, body = http(front, "POST", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert status == 200, body
 
 
 def test_stream_error_before_first_token_is_plain_http_error(cluster: LocalCluster) -> None:
