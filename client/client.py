@@ -24,6 +24,7 @@ the router aborts it itself once that many seconds have passed.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,10 +58,13 @@ class Completion:
     stop_reason: str = ""
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
+    # prompt_logprobs asked for: prompt tokens 1, 2, ... (the first has none)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
     def add(self, piece: pb.GenerateResponse) -> None:
         self.text += piece.text
         self.token_ids += piece.token_ids
+        self.prompt_logprobs += piece.prompt_logprobs
         if piece.finish_reason:
             self.finish_reason = piece.finish_reason
             self.stop_reason = piece.stop_reason
@@ -135,12 +139,16 @@ class Client:
         deadline_s: float = 0.0,
         timeout_s: float | None = None,
         tenant_salt: str = "",
+        priority: int = 0,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> Stream:
         """Start a generation. The prompt is one of `text`, `token_ids` or `chat` (a list of
         {"role", "content"} messages, templated by the router). `sampling` takes the
         SamplingParams fields: max_tokens=64, temperature=0, stop=["\\n"], ...
-        `request_id` ("": a fresh one) is what `abort` takes; the Stream carries it."""
+        `request_id` ("": a fresh one) is what `abort` takes; the Stream carries it.
+        `priority`: lower is served first by instances with scheduling_policy: priority.
+        `chat_template_kwargs`: extra variables of the chat template (e.g. enable_thinking)."""
         if sum(p is not None for p in (text, token_ids, chat)) != 1:
             raise TypeError("give exactly one prompt: text, token_ids or chat")
         request = pb.GenerateRequest(
@@ -149,6 +157,7 @@ class Client:
             sampling_params=_sampling_params(sampling),
             deadline_s=deadline_s,
             tenant_salt=tenant_salt,
+            priority=priority,
         )
         if text is not None:
             request.text = text
@@ -156,6 +165,8 @@ class Client:
             request.token_ids.ids.extend(token_ids)
         elif chat is not None:
             request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+            if chat_template_kwargs:
+                request.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
         call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         return Stream(call, request.request_id)
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from vllm_cluster.engine.lora import LoRARequest
     from vllm_cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from vllm_cluster.engine.sampling_params import SamplingParams
+    from vllm_cluster.engine.structured_output_params import StructuredOutputsParams
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -33,6 +34,7 @@ _EXPORTS = {
     "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
     "SchedulerConfig": "config",
+    "StructuredOutputsParams": "structured_output_params",
 }
 __all__ = [
     "LLM",
@@ -49,6 +51,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredOutputsParams",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

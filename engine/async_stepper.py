@@ -17,7 +17,8 @@ Invariants:
     that step's token dropped, never emitted: one step of wasted compute at most. One that
     reaches max_tokens with its last token in flight is not scheduled again.
   - While any request needs its tokens on the host before its next step (logprobs,
-    penalties), the step in flight is drained and steps run synchronously.
+    prompt logprobs, penalties, bad words, a grammar), the step in flight is drained and steps run
+    synchronously.
   - Blocks freed while a step is in flight (finish, abort, preemption) are reused only by
     steps queued after it on the same stream. `wait_device` covers writers outside that
     stream (a decode reservation's KV transfer).
@@ -69,7 +70,11 @@ class AsyncStepper:
     def track(self, request: Request) -> None:
         """Register a new request (added or reserved)."""
         params = request.sampling_params
-        if params.logprobs is not None or params.has_penalties:
+        if params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties:
+            self._host_bound.add(request.request_id)
+        if params.bad_words_token_ids:  # which token is banned depends on the last ones generated
+            self._host_bound.add(request.request_id)
+        if request.grammar is not None:  # its next mask depends on the token before it
             self._host_bound.add(request.request_id)
 
     def wait_device(self) -> None:

@@ -125,8 +125,13 @@ class SchedulerConfig:
     # None: the model's context length.
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    # "fcfs": first come, first served (a request's priority must be 0). "priority": lower
+    # `priority` first, ties by arrival, for admission and (the other way round) preemption.
+    scheduling_policy: str = "fcfs"
 
     def validate(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduler.scheduling_policy: {self.scheduling_policy!r} must be 'fcfs' or 'priority'")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError(f"scheduler.max_num_seqs: {self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -23,6 +23,7 @@ Roles (EngineRole):
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -36,14 +37,17 @@ from vllm_cluster.engine.kv_push import KVPush, PendingPushes, StepPushes
 from vllm_cluster.engine.lora import LoRAAdapterError, LoRAManager, load_adapter, lora_extra_key
 from vllm_cluster.engine.model_runner import ModelRunner
 from vllm_cluster.engine.models import CausalLM, ModelArchConfig
+from vllm_cluster.engine.prompt_logprobs import take_prompt_logprobs
 from vllm_cluster.engine.request import Request, RequestId, RequestStatus
 from vllm_cluster.engine.reservations import Leases
 from vllm_cluster.engine.sampler import Sampler
-from vllm_cluster.engine.sampling_params import SamplingParams
+from vllm_cluster.engine.sampling_params import SamplingParams, truncate_prompt
 from vllm_cluster.engine.scheduler import RequestUpdate, SampledToken, Scheduler
 from vllm_cluster.engine.scheduler_output import SchedulerOutput
 from vllm_cluster.engine.startup import start_engine
 from vllm_cluster.engine.stats import EngineStats, engine_stats
+from vllm_cluster.engine.structured_output import GrammarCache, RequestGrammar
+from vllm_cluster.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,12 @@ class EngineCore:
             self._start_lora(parts.arch)
         self.executor.init_kv_cache(parts.num_blocks, block_size, self.max_model_len, self.kv_cache_dtype)
         self.sampler = Sampler()
+        tokenizer_path = self.source.tokenizer_path
+        self.grammars = GrammarCache(  # structured output; the tokenizer is read on first use
+            None if tokenizer_path is None else functools.partial(load_tokenizer, tokenizer_path),
+            self.vocab_size,
+            self.eos_token_id,
+        )
         self._async = AsyncStepper(self.scheduler, self.sampler, self._execute) if use_async else None
         self.pushes = PendingPushes(self.kv)  # prefill role
         self.leases = Leases()  # decode role
@@ -135,8 +145,15 @@ class EngineCore:
         params: SamplingParams,
         extra_keys: tuple[str, ...] = (),
         lora_name: str | None = None,
+        priority: int = 0,
+        num_generated_prompt_tokens: int = 0,
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError with what to change."""
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs scheduling_policy: priority; this engine serves fcfs: send priority 0"
+            )
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if lora_name is not None:
             if lora_name not in self.list_loras():
                 raise InvalidRequestError(
@@ -162,6 +179,7 @@ class EngineCore:
             raise InvalidRequestError(
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
+        self._check_logits_fields(params)
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return Request(
@@ -172,7 +190,35 @@ class EngineCore:
             max_tokens=max_tokens,
             extra_keys=extra_keys,
             lora_name=lora_name,
+            priority=priority,
+            grammar=self._request_grammar(params, prompt_token_ids, num_generated_prompt_tokens),
         )
+
+    def _request_grammar(
+        self, params: SamplingParams, prompt_token_ids: list[int], num_generated: int
+    ) -> RequestGrammar | None:
+        """Structured output: the request's matcher, past the last `num_generated` prompt tokens
+        (a migrated request's prompt ends with what it generated elsewhere)."""
+        if params.structured_outputs is None:
+            return None
+        generated = prompt_token_ids[len(prompt_token_ids) - num_generated :] if num_generated > 0 else []
+        return self.grammars.request_grammar(params.structured_outputs, generated)
+
+    def _check_logits_fields(self, params: SamplingParams) -> None:
+        """The logits processors index logits with these token ids: refuse any outside the vocabulary."""
+        if params.bad_words and not params.bad_words_token_ids:
+            raise InvalidRequestError("bad_words need the tokenizer: pass them through LLM or the router")
+        named = {
+            "logit_bias": list(params.logit_bias or ()),
+            "allowed_token_ids": params.allowed_token_ids or [],
+            "bad_words": [t for ids in params.bad_words_token_ids for t in ids],
+        }
+        for name, token_ids in named.items():
+            bad = [t for t in token_ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} has token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+                )
 
     def add_request(self, request: Request, kv_push: KVPush | None = None) -> None:
         self._check_new_id(request)
@@ -265,7 +311,8 @@ class EngineCore:
         """The model's part of a step, synchronous or async (the AsyncStepper's RunModel)."""
         if self.lora is not None:
             self.lora.prepare_step(output.scheduled)
-        return self.executor.execute(output, pushes, prev_tokens)
+        request_ids, logits = self.executor.execute(output, pushes, prev_tokens)
+        return request_ids, take_prompt_logprobs(output, logits, self.scheduler.requests)
 
     def shutdown(self) -> None:
         """Stop the other ranks of a parallel engine (idempotent; also runs at exit)."""

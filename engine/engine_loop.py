@@ -56,6 +56,9 @@ class StreamDelta:
     num_cached_tokens: int = 0
     queue_s: float = 0.0  # arrival -> first scheduled (0 until then)
     error: str | None = None  # why an aborted stream ended, when not asked to by a client
+    # SamplingParams.prompt_logprobs, on the first delta: prompt tokens 1, 2, ... (none when
+    # the prompt was computed elsewhere: a decode instance that received its KV)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def then(self, later: StreamDelta) -> StreamDelta:
         """This delta followed by `later`, as one: tokens, text and logprobs joined, the
@@ -64,6 +67,7 @@ class StreamDelta:
             self.token_ids + later.token_ids, self.text + later.text, self.logprobs + later.logprobs,
             later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.num_output_tokens,
             later.num_cached_tokens, later.queue_s or self.queue_s, later.error,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )  # fmt: skip
 
 
@@ -316,6 +320,7 @@ class EngineLoop:
         """Everything of `tracked` not sent yet: its unsent tokens, their text and logprobs."""
         request = tracked.request
         token_ids, tracked.unsent = tracked.unsent, []
+        first = tracked.num_sent_tokens == 0 and bool(token_ids)
         tracked.num_sent_tokens += len(token_ids)
         text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
         # Hold back what could still turn out to be the start of a stop string.
@@ -340,6 +345,7 @@ class EngineLoop:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             queue_s=0.0 if started is None else started - request.arrival_time,
             error=error,
+            prompt_logprobs=list(request.prompt_logprobs) if first and request.prompt_logprobs else None,
         )
 
 

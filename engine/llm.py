@@ -23,7 +23,7 @@ from vllm_cluster.engine.output_processor import OutputProcessor
 from vllm_cluster.engine.outputs import RequestOutput
 from vllm_cluster.engine.request import Request
 from vllm_cluster.engine.sampling_params import SamplingParams
-from vllm_cluster.engine.tokenizer import apply_chat_template, load_tokenizer
+from vllm_cluster.engine.tokenizer import apply_chat_template, encode_bad_words, load_tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -54,6 +54,7 @@ class LLM:
             raise ValueError("derive() needs the whole model: call it on a single-process LLM, not a parallel one")
         llm = object.__new__(LLM)
         llm.core = EngineCore(config, model=self.core.model)
+        llm.core.grammars = self.core.grammars  # the same tokenizer: compiled grammars carry over
         llm.tokenizer = self.tokenizer
         llm._ids = itertools.count()
         return llm
@@ -64,12 +65,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """`lora_request`: one adapter for every prompt, or one (or None) per prompt."""
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt.
+        `priority`: one per prompt, lower served first (needs scheduling_policy="priority")."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         token_lists = [self._tokenize(p) for p in prompt_list]
-        return self._run(prompt_list, token_lists, params_list, use_tqdm, self._loras(lora_request, len(prompt_list)))
+        loras = self._loras(lora_request, len(prompt_list))
+        priorities = _priorities(priority, len(prompt_list))
+        return self._run(prompt_list, token_lists, params_list, use_tqdm, loras, priorities)
 
     def chat(
         self,
@@ -77,11 +82,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """`chat_template_kwargs`: extra variables of the template (e.g. enable_thinking)."""
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         tokenizer = self._require_tokenizer()
-        token_lists = [apply_chat_template(tokenizer, list(c)) for c in conversations]  # type: ignore[arg-type]
+        token_lists = [
+            apply_chat_template(tokenizer, list(c), chat_template_kwargs)  # type: ignore[arg-type]
+            for c in conversations
+        ]
         prompts = [tokenizer.decode(ids) for ids in token_lists]
         params_list = _as_params_list(sampling_params, len(token_lists))
         return self._run(prompts, token_lists, params_list, use_tqdm, self._loras(lora_request, len(token_lists)))
@@ -102,22 +112,30 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         lora_names: list[str | None],
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         # Validate everything before adding anything: a bad prompt fails the call, not the engine.
         batch: list[tuple[RequestOutput, list[Request]]] = []
-        for prompt, token_ids, params, lora in zip(prompts, token_lists, params_list, lora_names, strict=True):
+        priorities = priorities or [0] * len(prompts)
+        for prompt, token_ids, params, lora, priority in zip(
+            prompts, token_lists, params_list, lora_names, priorities, strict=True
+        ):
             parent_id = str(next(self._ids))
+            if params.bad_words and not params.bad_words_token_ids:
+                words = encode_bad_words(self._require_tokenizer(), params.bad_words)
+                params = replace(params, bad_words_token_ids=words)
             children = [
                 self.core.make_request(
                     f"{parent_id}-{i}" if params.n > 1 else parent_id,
                     token_ids,
                     _child_params(params, i),
                     lora_name=lora,
+                    priority=priority,
                 )
                 for i in range(params.n)
             ]
             text = prompt if isinstance(prompt, str) else None
-            batch.append((RequestOutput(parent_id, text, token_ids), children))
+            batch.append((RequestOutput(parent_id, text, children[0].prompt_token_ids), children))  # truncated
         processor = OutputProcessor(self.core, self.tokenizer)
         for parent, children in batch:
             for index, request in enumerate(children):
@@ -154,6 +172,12 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = None if params.seed is None else params.seed + index
     return replace(params, n=1, seed=seed)
+
+
+def _priorities(priority: Sequence[int] | None, n: int) -> list[int] | None:
+    if priority is not None and len(priority) != n:
+        raise InvalidRequestError(f"got {len(priority)} priorities for {n} prompts: pass one per prompt")
+    return None if priority is None else list(priority)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

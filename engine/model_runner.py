@@ -65,7 +65,8 @@ class ModelRunner:
         after_layer: Callable[[int], None] | None = None,
         prev_tokens: DeviceTokens | None = None,
     ) -> tuple[list[RequestId], torch.Tensor]:
-        """Returns (ids of the requests that sample, their logits [N, V]).
+        """Returns (ids of the requests that sample, their logits [N, V]); with prompt logprobs
+        asked for, the rows of `logit_rows` instead (engine/prompt_logprobs.py splits them).
 
         `after_layer(i)` runs once layer i's KV is written (eager path only: a graph replay
         has no point to stop at between layers). `prev_tokens`: the previous step's sampled
@@ -76,6 +77,7 @@ class ModelRunner:
         fill = _placeholder_fill(output.scheduled, query_start_loc, prev_tokens)
         num_seqs = len(seq_lens)
         use_graph = self.graphs is not None and after_layer is None and self.graphs.fits(num_seqs)
+        use_graph = use_graph and not any(item.num_prompt_logits for item in output.scheduled)
         if use_graph and len(token_ids) == num_seqs:
             assert self.graphs is not None
             # Decode-only: every sequence has one new token, and every one samples.
@@ -89,10 +91,10 @@ class ModelRunner:
             dst, src = (torch.tensor(x).to(self.device, non_blocking=True) for x in (fill.dst, fill.src))
             input_ids[dst] = fill.prev.token_ids[src]
         hidden = self.model(input_ids, pos, self.kv_caches, meta, after_layer)  # [T, D]
-        last = [query_start_loc[b + 1] - 1 for b, item in enumerate(output.scheduled) if item.samples]
+        rows = logit_rows(output.scheduled, query_start_loc)
         # Built on the host, then copied without waiting: a step in flight keeps running.
-        last_ids = torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True)
-        return sample_ids, self.model.compute_logits(hidden[last_ids])
+        row_ids = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return sample_ids, self.model.compute_logits(hidden[row_ids])
 
     def update_block_tables(self, output: SchedulerOutput) -> None:
         for request_id in output.removed_request_ids:
@@ -107,12 +109,13 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input ids [T], positions [T], attention metadata, the index of each sampling
-        request's last token [N]) for a run of this step's requests, whose block tables
-        are up to date (a parallel stage runs one per micro-batch)."""
+        request's last token [N], and of its prompt-logprob positions: `logit_rows`) for a
+        run of this step's requests, whose block tables are up to date (a parallel stage
+        runs one per micro-batch)."""
         token_ids, positions, query_start_loc, seq_lens, tables = self._flatten(scheduled)
         input_ids, pos, meta = self._prepare(token_ids, positions, query_start_loc, seq_lens, tables)
-        last = [query_start_loc[b + 1] - 1 for b, item in enumerate(scheduled) if item.samples]
-        return input_ids, pos, meta, torch.tensor(last, dtype=torch.long, device=self.device)
+        rows = logit_rows(scheduled, query_start_loc)
+        return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _flatten(
         self, scheduled: list[ScheduledRequest]
@@ -157,6 +160,17 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos.to(self.device, non_blocking=True), meta
+
+
+def logit_rows(scheduled: list[ScheduledRequest], query_start_loc: list[int]) -> list[int]:
+    """The token rows whose logits a step returns, request by request: its prompt-logprob
+    positions (`num_prompt_logits` leading ones), then its last token if it samples."""
+    rows: list[int] = []
+    for b, item in enumerate(scheduled):
+        rows += range(query_start_loc[b], query_start_loc[b] + item.num_prompt_logits)
+        if item.samples:
+            rows.append(query_start_loc[b + 1] - 1)
+    return rows
 
 
 def _placeholder_fill(

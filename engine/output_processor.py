@@ -55,6 +55,10 @@ class OutputProcessor:
                 completion.logprobs.append(self._logprob_dict(lp))
                 completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + lp.logprob
         child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, request.num_cached_tokens)
+        if child.parent.prompt_logprobs is None and request.sampling_params.prompt_logprobs is not None:
+            # Complete once the request has a token: its whole prompt was computed.
+            prompt = [self._logprob_dict(lp) for lp in request.prompt_logprobs]
+            child.parent.prompt_logprobs = [None, *prompt]
         stop = None
         if child.detokenizer is not None:
             stop = child.detokenizer.update(update.new_token_ids)

@@ -35,4 +35,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, {token id: Logprob} holding the token
+    # and the top-N at its position; None for the first token, which nothing predicts.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False

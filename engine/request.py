@@ -10,12 +10,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import torch
 
 from vllm_cluster.engine.block_hash import BlockHash, hash_block_tokens
 from vllm_cluster.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_cluster.engine.structured_output import RequestGrammar
 
 RequestId = NewType("RequestId", str)
 
@@ -65,11 +68,15 @@ class Request:
     max_tokens: int  # resolved: never past max_model_len
     extra_keys: tuple[str, ...] = ()  # tenant salt, LoRA id: part of every block hash
     lora_name: str | None = None  # the LoRA adapter it runs under; None: the base model
+    # scheduling_policy priority: lower is served first, ties by arrival (vLLM's `priority`)
+    priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, given the tokens before it
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Async scheduling: tokens that launched steps are sampling, not yet in output_token_ids
     # (their positions already count in num_computed_tokens once scheduled past them).
@@ -79,6 +86,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # structured output: the matcher every output token passes
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -125,5 +133,7 @@ class Request:
 
     def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

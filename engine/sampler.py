@@ -1,9 +1,12 @@
 """Turns the last-position logits of each sampling request into its next token.
 
-Order: penalties -> min_tokens masking -> (greedy argmax) | (temperature -> top-k ->
-top-p -> min-p -> sample). Logprobs are those of the raw model distribution, as vLLM
-reports them by default. A request with a seed draws from its own generator, so its
-tokens do not depend on what else is in the batch.
+Order: penalties -> min_tokens masking -> logits processors (engine/logits_processors.py) ->
+(greedy argmax) | (temperature -> top-k -> top-p -> min-p -> sample). Logprobs are those of
+the raw model distribution, as vLLM reports them by default. A request with a seed draws
+from its own generator, so its tokens do not depend on what else is in the batch. Before
+all of it, structured output sets the logits a constrained request's grammar forbids to
+-inf (engine/structured_output.py); such a request's logprobs are those of the masked
+distribution, as in vLLM.
 
 `token_ids` queues the sampling on the device and never waits for it (async scheduling
 fetches the ids a step later); `__call__` also fetches them and adds logprobs. Host-side
@@ -16,8 +19,10 @@ import functools
 
 import torch
 
+from vllm_cluster.engine.logits_processors import apply_logits_processors
 from vllm_cluster.engine.request import Request, TokenLogprobs
 from vllm_cluster.engine.scheduler import SampledToken
+from vllm_cluster.engine.structured_output import apply_grammar_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -41,9 +46,10 @@ class Sampler:
     def token_ids(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The next token of each request, [N] long on the logits' device; nothing waits."""
         # logits: [N, V]
+        apply_grammar_bitmask(logits, requests)  # structured output, in place; nothing without a grammar
         if all(_is_plain_greedy(r) for r in requests):
             return argmax_rows(logits)
-        logits = self._apply_penalties_and_masks(logits.float(), requests)
+        logits = apply_logits_processors(self._apply_penalties_and_masks(logits.float(), requests), requests)
         token_ids = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
@@ -144,6 +150,7 @@ def _is_plain_greedy(request: Request) -> bool:
         params.is_greedy
         and params.logprobs is None
         and not params.has_penalties
+        and not params.has_logits_processors
         and _num_outputs_before(request) >= params.min_tokens
     )
 

@@ -8,6 +8,9 @@ and starts over from 0, reusing whatever prefix stayed cached) all follow from i
 
 Running requests are served first, oldest first; when blocks run out the newest running
 request is preempted. Waiting requests are admitted FCFS while budget, seats and blocks last.
+With `scheduling_policy: priority` both lists are first put in (priority, arrival) order,
+so the same rule serves and admits the most urgent first and preempts the least urgent;
+a waiting request that holds blocks (landed) stays ahead of those that do not.
 
 Decode role: `reserve` matches the prompt against the prefix cache and allocates blocks
 for the rest (TRANSFERRING: the blocks are not cached, they hold nothing yet); `land`
@@ -101,7 +104,7 @@ class Scheduler:
         rest of `kv.get_block_table(request_id)` waits for the prefill's KV."""
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         request.update_block_hashes(self.kv.block_size)
-        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        computed_blocks, num_cached = self._cached_prefix(request)
         num_new = request.num_prompt_tokens - num_cached
         if not self.kv.allocate_slots(request, num_new, computed_blocks, cache=False):
             return False
@@ -135,6 +138,8 @@ class Scheduler:
         return RequestUpdate(request, [first_token.token_id], status is not None)
 
     def schedule(self) -> SchedulerOutput:
+        if self.config.scheduling_policy == "priority":
+            self._order_by_priority()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -174,7 +179,7 @@ class Scheduler:
             if landed:
                 computed_blocks, num_cached = [], request.num_computed_tokens
             else:
-                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+                computed_blocks, num_cached = self._cached_prefix(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._release_lora(request)
@@ -206,6 +211,17 @@ class Scheduler:
             removed_request_ids=removed,
         )
 
+    def _cached_prefix(self, request: Request) -> tuple[list[BlockId], int]:
+        """The prefix-cache hit for a request about to compute its prompt; none for one that
+        asked for prompt logprobs, which need the logits of every prompt position."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        return self.kv.get_computed_blocks(request)
+
+    def _order_by_priority(self) -> None:
+        self.running.sort(key=_urgency)
+        self.waiting = deque(sorted(self.waiting, key=lambda r: (r.num_computed_tokens == 0, *_urgency(r))))
+
     def _acquire_lora(self, request: Request) -> bool:
         if request.lora_name is None:
             return True
@@ -236,6 +252,7 @@ class Scheduler:
             is_new=is_new,
             samples=end == num_known + request.num_pending_tokens,
             lora_slot=-1 if self.lora_slots is None else self.lora_slots.slot_of(request.request_id),
+            num_prompt_logits=_num_prompt_logits(request, start, end),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -283,6 +300,8 @@ class Scheduler:
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         token_id = request.output_token_ids[-1]
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
@@ -312,3 +331,17 @@ class Scheduler:
         assert reason is not None
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
         return request
+
+
+def _num_prompt_logits(request: Request, start: int, end: int) -> int:
+    """Positions of [start, end) whose logits give a prompt token's logprob (position p
+    predicts prompt token p + 1), for a request that asked for prompt logprobs."""
+    num_wanted = request.num_prompt_tokens - 1
+    if request.sampling_params.prompt_logprobs is None or len(request.prompt_logprobs) >= num_wanted:
+        return 0  # a preempted request recomputing its prompt has them already
+    return max(0, min(end, num_wanted) - start)
+
+
+def _urgency(request: Request) -> tuple[int, float]:
+    """Priority policy: the smaller, the sooner served and the later preempted."""
+    return request.priority, request.arrival_time

@@ -23,6 +23,9 @@ class ScheduledRequest:
     is_new: bool
     samples: bool  # every known token is computed after this step: sample the next one
     lora_slot: int = -1  # the resident slot of the request's LoRA adapter; -1: the base model
+    # SamplingParams.prompt_logprobs: the logits of this many leading positions of the step
+    # (prompt tokens whose successor is a prompt token) come back too, ahead of its sampling row
+    num_prompt_logits: int = 0
 
 
 @dataclass(frozen=True, slots=True)

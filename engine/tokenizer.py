@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.errors import InvalidRequestError, ModelLoadError
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -20,11 +21,44 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+# What apply_chat_template itself decides; chat_template_kwargs may not set these.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_template", "tokenize", "return_dict",
+                                       "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"})
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None = None
+) -> list[int]:
+    """The chat's prompt token ids. `template_kwargs` (vLLM's chat_template_kwargs) are extra
+    variables of the template render, e.g. Qwen3's enable_thinking; they may override
+    add_generation_prompt, as in vLLM."""
     if not getattr(tokenizer, "chat_template", None):
         raise ModelLoadError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    render = {"add_generation_prompt": True, **check_template_kwargs(template_kwargs or {})}
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, **render)
     # transformers 5 returns a BatchEncoding here, 4.x a list.
     if hasattr(ids, "input_ids") or isinstance(ids, dict):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def check_template_kwargs(template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs as the render takes them; InvalidRequestError on a reserved name."""
+    reserved = sorted(k for k in template_kwargs if k in _RESERVED_TEMPLATE_KWARGS or not isinstance(k, str))
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: the server decides those")
+    return dict(template_kwargs)
+
+
+def encode_bad_words(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequences, as vLLM builds them: the word alone, and with a
+    leading space when that tokenizes to a different first token of the same length (so
+    the word is banned at the start of the text and after a space)."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return sequences

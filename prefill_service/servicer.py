@@ -7,7 +7,8 @@ Lifecycle of a request here:
   2. In the step that completes the prompt, each layer's blocks (those the decode does not
      already hold) are pushed as soon as that layer is computed.
   3. The step ends when every push is confirmed; the request's blocks are then freed (they
-     stay in our prefix cache). The reply carries the first token and the transfer outcome.
+     stay in our prefix cache). The reply carries the first token and the transfer outcome,
+     and the prompt logprobs when they were asked for (the router relays them to the client).
   4. `Abort`, or the caller going away, drops the request; a push never outlives its step.
 """
 
@@ -26,7 +27,12 @@ from vllm_cluster.metrics import InstanceMetrics
 from vllm_cluster.prefill_service.push import ReservationPush
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.worker.convert import first_token_to_proto, request_from_proto, worker_stats_to_proto
+from vllm_cluster.worker.convert import (
+    first_token_to_proto,
+    logprob_to_proto,
+    request_from_proto,
+    worker_stats_to_proto,
+)
 from vllm_cluster.worker.lora_admin import load_lora_adapter, unload_lora_adapter
 from vllm_cluster.worker.rpc import abort
 
@@ -97,6 +103,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             compute_s=max(0.0, elapsed - delta.queue_s - push.transfer_s),
             transfer_s=push.transfer_s,
             num_cached_tokens=delta.num_cached_tokens,
+            prompt_logprobs=[logprob_to_proto(lp) for lp in delta.prompt_logprobs or ()],
         )
 
     def Abort(self, msg: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

@@ -27,7 +27,14 @@ FAILURE_POLICY_RECOMPUTE: FailurePolicy
 FAILURE_POLICY_FAIL: FailurePolicy
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_tokens_unlimited", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_tokens_unlimited", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids", "truncate_prompt_tokens", "prompt_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +52,13 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -62,7 +76,30 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     skip_special_tokens: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_unlimited: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    structured_outputs: StructuredOutputs
+    logit_bias: _containers.ScalarMap[int, float]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    truncate_prompt_tokens: int
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_unlimited: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+
+class StructuredOutputs(_message.Message):
+    __slots__ = ("json", "regex", "choice", "grammar", "json_object", "num_generated_prompt_tokens")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    regex: str
+    choice: _containers.RepeatedScalarFieldContainer[str]
+    grammar: str
+    json_object: bool
+    num_generated_prompt_tokens: int
+    def __init__(self, json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., num_generated_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -125,7 +162,7 @@ class Timings(_message.Message):
     def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "timings")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "timings", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +171,7 @@ class GenerateResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -142,7 +180,8 @@ class GenerateResponse(_message.Message):
     stop_reason: str
     usage: Usage
     timings: Timings
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -153,10 +192,12 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatPrompt(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "chat_template_kwargs_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    chat_template_kwargs_json: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -165,7 +206,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling_params", "deadline_s", "tenant_salt")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling_params", "deadline_s", "tenant_salt", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +215,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -182,7 +224,8 @@ class GenerateRequest(_message.Message):
     sampling_params: SamplingParams
     deadline_s: float
     tenant_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_s: _Optional[float] = ..., tenant_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_s: _Optional[float] = ..., tenant_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -217,18 +260,20 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "extra_keys", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "extra_keys", "lora_name", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request", "lease_s")
@@ -265,7 +310,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "transfer_status", "transfer_error", "num_blocks_sent", "queue_s", "compute_s", "transfer_s", "num_cached_tokens")
+    __slots__ = ("first_token", "transfer_status", "transfer_error", "num_blocks_sent", "queue_s", "compute_s", "transfer_s", "num_cached_tokens", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_STATUS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +319,7 @@ class PrefillResponse(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: TokenLogprob
     transfer_status: TransferStatus
     transfer_error: str
@@ -282,7 +328,8 @@ class PrefillResponse(_message.Message):
     compute_s: float
     transfer_s: float
     num_cached_tokens: int
-    def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., transfer_status: _Optional[_Union[TransferStatus, str]] = ..., transfer_error: _Optional[str] = ..., num_blocks_sent: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., transfer_status: _Optional[_Union[TransferStatus, str]] = ..., transfer_error: _Optional[str] = ..., num_blocks_sent: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token", "on_transfer_failure", "transfer_timeout_s")

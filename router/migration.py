@@ -4,7 +4,8 @@ stream goes on (router/servicer.py decides when; this is the bookkeeping, pure).
 
 The continuation's prompt is the original prompt plus every token already relayed; its
 limits (max_tokens, min_tokens) shrink by those tokens; text the lost instance held back
-(a possible stop-string start) is sent ahead of the new instance's first text.
+(a possible stop-string start) is sent ahead of the new instance's first text. It asks for
+no prompt logprobs: the client had them with its first message.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Progress:
     text: str = ""
     pending_text: str = ""  # held back by a lost instance; goes out ahead of the next text
     migrations: int = 0
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # from prefill, for the first message
 
 
 class DecodeLost(Exception):
@@ -41,6 +43,9 @@ def continuation(request: pb.WorkerRequest, progress: Progress) -> pb.WorkerRequ
     if not params.max_tokens_unlimited:
         params.max_tokens = max(0, (params.max_tokens if params.HasField("max_tokens") else 16) - done)
     params.min_tokens = max(0, params.min_tokens - done)
+    if params.HasField("structured_outputs"):  # the new instance's grammar replays the relayed tokens
+        params.structured_outputs.num_generated_prompt_tokens += done
+    params.ClearField("prompt_logprobs")  # the client has them; the new prompt is not the client's
     return leg
 
 

@@ -36,7 +36,6 @@ import grpc
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.errors import InvalidRequestError, ModelLoadError
 from vllm_cluster.engine.lora import lora_extra_key
-from vllm_cluster.engine.tokenizer import apply_chat_template
 from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.metrics import RouterMetrics
 from vllm_cluster.proto import cluster_pb2 as pb
@@ -48,8 +47,8 @@ from vllm_cluster.router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
 from vllm_cluster.router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
 from vllm_cluster.router.placement import Placement
 from vllm_cluster.router.policy import should_skip_prefill
+from vllm_cluster.router.prompts import prepare
 from vllm_cluster.router.registry import Instance, Registry
-from vllm_cluster.worker.convert import sampling_params_from_proto
 from vllm_cluster.worker.router_config import RouterConfig
 from vllm_cluster.worker.rpc import StreamSlots
 
@@ -206,13 +205,15 @@ class RouterServicer(pb_grpc.GenerationServicer):
             with self.metrics.num_reservations_waiting.track_inprogress():
                 if not progress.migrations:
                     timings.router_s = time.monotonic() - arrival
-                first_token = self._prefill(handoff, request, reservation, overlap, timings, context)
+                prefilled = self._prefill(handoff, request, reservation, overlap, timings, context)
+                if prefilled is not None and not progress.migrations:
+                    progress.prompt_logprobs = list(prefilled.prompt_logprobs)
                 if not handoff.advance(HandoffState.DECODING):
                     end_aborted(context, handoff)
                 call = decode.stub.Decode(
                     pb.DecodeRequest(
                         request_id=request.request_id,
-                        first_token=first_token,
+                        first_token=None if prefilled is None else prefilled.first_token,
                         on_transfer_failure=_failure_policy(self._config.on_transfer_failure),
                         transfer_timeout_s=self._config.transfer_timeout_s,
                     )
@@ -242,8 +243,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
         overlap: dict[str, int],
         timings: pb.Timings,
         context: grpc.ServicerContext,
-    ) -> pb.TokenLogprob | None:
-        """The first token, or None when decode is to compute the prompt itself."""
+    ) -> pb.PrefillResponse | None:
+        """The prefill's reply (the first token, the prompt logprobs asked for), or None when
+        decode is to compute the prompt itself."""
         num_prompt = len(request.prompt_token_ids)
         if should_skip_prefill(num_prompt, reservation.num_cached_tokens, self._config.min_prefill_tokens):
             timings.prefill_skipped = True
@@ -286,11 +288,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
             )
         if not handoff.advance(HandoffState.TRANSFERRED):
             end_aborted(context, handoff)
-        return reply.first_token
+        return reply
 
     def _prefill_failed(
         self, handoff: Handoff, timings: pb.Timings, context: grpc.ServicerContext, error: str
-    ) -> pb.TokenLogprob | None:
+    ) -> pb.PrefillResponse | None:
         """Fail the request (policy `fail`) or let decode compute the prompt (`recompute`)."""
         if self._config.on_transfer_failure == "fail":
             handoff.abort(error)
@@ -312,6 +314,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
                         timings.decode_queue_s = response.timings.decode_queue_s
                     timings.transfer_s += response.timings.transfer_s
                     timings.recomputed = timings.recomputed or response.timings.recomputed
+                    if not progress.token_ids and not response.prompt_logprobs:  # computed by prefill
+                        response.prompt_logprobs.extend(progress.prompt_logprobs)
                     first = False
                 if progress.pending_text:
                     response.text = progress.pending_text + response.text
@@ -352,34 +356,19 @@ class RouterServicer(pb_grpc.GenerationServicer):
             abort(context, grpc.StatusCode.NOT_FOUND,
                   f"The model `{msg.model}` does not exist. This cluster serves '{self._model_name}'{served}.")
         try:
-            sampling_params_from_proto(msg.sampling_params)  # validate here, with a clear message
-            prompt = self._tokenize(msg)
+            prompt, sampling_params = prepare(self._tokenizer, msg, self._max_model_len)
         except (InvalidRequestError, ModelLoadError) as e:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.WorkerRequest(
             request_id=self._abort_rights.claim(msg.request_id, context),
             prompt_token_ids=prompt,
-            sampling_params=msg.sampling_params,
+            sampling_params=sampling_params,
+            priority=msg.priority,
             extra_keys=(
                 ([msg.tenant_salt] if msg.tenant_salt else []) + ([lora_extra_key(lora_name)] if lora_name else [])
             ),
             lora_name=lora_name,
         )
-
-    def _tokenize(self, msg: pb.GenerateRequest) -> list[int]:
-        kind = msg.WhichOneof("prompt")
-        if kind == "token_ids":
-            return list(msg.token_ids.ids)
-        if self._tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer: send token_ids")
-        if kind == "text":
-            return list(self._tokenizer.encode(msg.text))
-        if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-            if not messages:
-                raise InvalidRequestError("the chat has no messages: send at least one")
-            return list(apply_chat_template(self._tokenizer, messages))
-        raise InvalidRequestError("the request has no prompt: set text, token_ids or chat")
 
 
 def _status_name(context: grpc.ServicerContext) -> str:

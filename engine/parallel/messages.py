@@ -69,7 +69,8 @@ def decode_block_ids(data: bytes) -> list[int]:
 
 def encode_step(output: SchedulerOutput) -> bytes:
     scheduled = [
-        [item.request_id, item.token_ids, item.num_computed_tokens, item.new_block_ids, item.is_new, item.samples]
+        [item.request_id, item.token_ids, item.num_computed_tokens, item.new_block_ids, item.is_new, item.samples,
+         item.num_prompt_logits]
         for item in output.scheduled
     ]
     return json.dumps([scheduled, sorted(output.removed_request_ids)], separators=(",", ":")).encode()
@@ -86,7 +87,7 @@ def decode_step(data: bytes) -> SchedulerOutput:
 
 
 def _scheduled_request(fields: list[Any]) -> ScheduledRequest:
-    request_id, token_ids, num_computed, block_ids, is_new, samples = fields
+    request_id, token_ids, num_computed, block_ids, is_new, samples, num_prompt_logits = fields
     return ScheduledRequest(
         request_id=RequestId(str(request_id)),
         token_ids=[int(t) for t in token_ids],
@@ -94,6 +95,7 @@ def _scheduled_request(fields: list[Any]) -> ScheduledRequest:
         new_block_ids=[BlockId(int(b)) for b in block_ids],
         is_new=bool(is_new),
         samples=bool(samples),
+        num_prompt_logits=int(num_prompt_logits),
     )
 
 

@@ -129,11 +129,13 @@ def build_app(
 
     @app.post("/tokenize", responses=error_responses(400, 404))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None else None
+        await serving.check_model(body.model)
+        messages = [m.template_message() for m in body.messages] if body.messages is not None else None
         return serving.tokenize(body.prompt, messages, body.add_special_tokens, body.add_generation_prompt)
 
     @app.post("/detokenize", responses=error_responses(400, 404))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        await serving.check_model(body.model)
         return serving.detokenize(body.tokens)
 
     document(app, _UNGUARDED_PATHS, api_key_required=bool(api_key))

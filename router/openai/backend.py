@@ -35,6 +35,10 @@ _LINK_DOWN = re.compile(
 )
 _ROUTER_DOWN = f"the router is not taking requests right now (restarting or shutting down); retry in {RETRY_AFTER_S} s"
 
+# Fields only the instances can check (token ids against the vocabulary, the scheduling
+# policy): their messages start with the field's name, which becomes the error's param.
+_INSTANCE_CHECKED = re.compile(r"(?:^|: )(priority|logit_bias|allowed_token_ids|bad_words|stop_token_ids) ")
+
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -62,6 +66,8 @@ def api_error(e: grpc.RpcError) -> ApiError:
         # vLLM's message, word for word (clients match it); the router's gRPC one goes on
         # to name what is served.
         param, details = "model", details.split(" does not exist.")[0] + " does not exist."
+    elif code == grpc.StatusCode.INVALID_ARGUMENT and (field := _INSTANCE_CHECKED.search(details)):
+        param = field.group(1)
     return ApiError(status, details, param, retry_after_s=retry)
 
 

@@ -110,3 +110,22 @@ def invalid_body(errors: Sequence[Mapping[str, Any]], content_type: str) -> ApiE
     where = field_path(loc)
     message = str(first.get("msg", "invalid value"))
     return bad_request(f"{where}: {message}" if where else message, where or None)
+
+
+def lone_surrogate(value: Any) -> tuple[str, str, int] | None:
+    """The first text in decoded JSON that UTF-8 cannot encode: (its dotted field path, the
+    text, the index of the lone surrogate). A dict key is reported at the dict's path."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return ".".join(str(p) for p in path), item, e.start
+        elif isinstance(item, dict):
+            children = [(path, key) for key in item] + [((*path, key), v) for key, v in item.items()]
+            stack.extend(reversed(children))
+        elif isinstance(item, list):
+            stack.extend(reversed([((*path, i), v) for i, v in enumerate(item)]))
+    return None

@@ -41,3 +41,38 @@ def completion_logprobs(tokenizer: Any, logprobs: list[pb.TokenLogprob], offset:
         ],
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(
+    tokenizer: Any, prompt_ids: list[int], prompt_logprobs: list[pb.TokenLogprob], logprobs: list[pb.TokenLogprob]
+) -> dict[str, Any]:
+    """Completions with echo: the prompt's tokens first (the first one with a null logprob
+    and null top_logprobs: nothing predicts it), then the generated ones, one text_offset run."""
+    assert len(prompt_logprobs) == len(prompt_ids) - 1, "prompt logprobs cover every prompt token after the first"
+    first = token_text(tokenizer, prompt_ids[0])
+    rest = completion_logprobs(tokenizer, [*prompt_logprobs, *logprobs], len(first))
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Any, prompt_ids: list[int], prompt_logprobs: list[pb.TokenLogprob]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` response field: per prompt token, {token id: {logprob, rank,
+    decoded_token}} holding the token and the top-N at its position; None for the first."""
+
+    def entry(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
+        return {"logprob": max(logprob, _MIN_LOGPROB), "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in prompt_logprobs:
+        position = {str(lp.token_id): entry(lp.logprob, lp.rank, lp.token_id)}
+        for rank, top in enumerate(lp.top, start=1):
+            position.setdefault(str(top.token_id), entry(top.logprob, rank, top.token_id))
+        out.append(position)
+    assert len(out) == len(prompt_ids), "prompt logprobs cover every prompt token after the first"
+    return out

@@ -1,9 +1,10 @@
 """The OpenAI request bodies we accept, and how each becomes the cluster's SamplingParams.
 
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
-stop_token_ids, repetition_penalty, ...). Unknown fields are ignored, as vLLM does, except
-the ones whose silent loss would change the answer (tools, logit_bias, echo, suffix,
-best_of, structured output): those are refused with a 400 naming the field.
+stop_token_ids, repetition_penalty, ...). Unknown fields are ignored, as vLLM does. Every
+field a model declares is accounted for in REQUEST_FIELDS (router/openai/fields.py): it
+changes what the server does, or it is refused with a 400 naming it (tools, suffix,
+best_of, ...); a test walks the models against that table.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_cluster.proto import cluster_pb2 as pb
-from vllm_cluster.router.openai.errors import ApiError, bad_request
+from vllm_cluster.router.openai.errors import ApiError, bad_request, lone_surrogate
+from vllm_cluster.router.openai.structured_output import structured_outputs
 
 MAX_N = 64  # choices per request; each is its own sequence on a decode instance
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -47,25 +49,6 @@ class _Body(_Request):
                 where or None,
             )
         return data
-
-
-def lone_surrogate(value: Any) -> tuple[str, str, int] | None:
-    """The first text in decoded JSON that UTF-8 cannot encode: (its dotted field path, the
-    text, the index of the lone surrogate). A dict key is reported at the dict's path."""
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return ".".join(str(p) for p in path), item, e.start
-        elif isinstance(item, dict):
-            children = [(path, key) for key in item] + [((*path, key), v) for key, v in item.items()]
-            stack.extend(reversed(children))
-        elif isinstance(item, list):
-            stack.extend(reversed([((*path, i), v) for i, v in enumerate(item)]))
-    return None
 
 
 class LoRAAdapterRequest(_Body):
@@ -116,26 +99,29 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     # vLLM's `cache_salt`: requests with different salts never share cached prompt blocks.
     cache_salt: str | None = None
-    # Refused when set: silently dropping them would change the answer.
+    # vLLM's `prompt_logprobs`: top-N per prompt token, in the response's `prompt_logprobs`.
+    prompt_logprobs: int | None = None
+    # OpenAI's logit_bias and vLLM's logits processors (engine/logits_processors.py).
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's: keep the last k prompt tokens (-1: max_model_len); served in serving._job.
+    truncate_prompt_tokens: int | None = None
+    # vLLM's: lower is served first on instances with scheduling_policy: priority.
+    priority: int = 0
+    # Refused when set: silently dropping them would change the answer.
     best_of: int | None = None
+    # Structured output (router/openai/structured_output.py): OpenAI's, vLLM's, vLLM's older.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server; drop it", "logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported; use n", "best_of")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(
-                "structured output (response_format) is not supported; use type 'text'", "response_format"
-            )
-        for name in ("guided_json", "guided_regex", "guided_choice"):
-            if getattr(self, name) is not None:
-                raise bad_request(f"{name} (structured output) is not supported; drop it", name)
 
     def sampling_params(self, max_tokens: int | None, num_logprobs: int | None) -> pb.SamplingParams:
         """Validated here (the router validates again): 400 naming the parameter."""
@@ -169,6 +155,10 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             skip_special_tokens=self.skip_special_tokens,
         )
+        self._logits_fields(msg)
+        constraint = structured_outputs(self)
+        if constraint is not None:
+            msg.structured_outputs.CopyFrom(constraint)
         if self.temperature is not None:
             msg.temperature = self.temperature
         if self.top_p is not None:
@@ -183,7 +173,46 @@ class _SamplingFields(_Body):
             msg.max_tokens = max_tokens
         if num_logprobs is not None:
             msg.logprobs = num_logprobs
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
+                                  "prompt_logprobs")
+            if self.stream:
+                raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+            msg.prompt_logprobs = self.prompt_logprobs
         return msg
+
+    def _logits_fields(self, msg: pb.SamplingParams) -> None:
+        """logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens into `msg`; 400
+        naming the field. Token ids past the vocabulary are refused by the engine."""
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                token_id = -1
+            if not 0 <= token_id < _INT32:
+                raise bad_request(f"Found token_id `{key}` in logit_bias but token_id must be an integer or string "
+                                  "representing an integer", "logit_bias")
+            if not math.isfinite(bias):
+                raise bad_request(f"logit_bias values must be finite numbers, got {bias} for {key}", "logit_bias")
+            msg.logit_bias[token_id] = min(100.0, max(-100.0, bias))  # clamped, as OpenAI and vLLM do
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad_request("allowed_token_ids is empty: give at least one token id", "allowed_token_ids")
+            if any(not 0 <= t < _INT32 for t in self.allowed_token_ids):
+                raise bad_request("allowed_token_ids must be token ids (0 <= id < 2**31)", "allowed_token_ids")
+            msg.allowed_token_ids.extend(self.allowed_token_ids)
+        if any(not w.strip() for w in self.bad_words or []):
+            raise bad_request("bad_words must be non-blank strings", "bad_words")
+        msg.bad_words.extend(self.bad_words or [])
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            if k == 0 or not -1 <= k < _INT32:
+                raise bad_request(f"truncate_prompt_tokens must be >= 1, or -1 for max_model_len; got {k}",
+                                  "truncate_prompt_tokens")
+            msg.truncate_prompt_tokens = k
+        if not -_INT32 <= self.priority < _INT32:
+            raise bad_request(f"priority is out of range: {self.priority}", "priority")
 
     def _check_ranges(self) -> None:
         """The engine's ranges (engine/sampling_params.py), checked here too so that the
@@ -202,6 +231,11 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: continuous_usage_stats with include_usage, as in vLLM."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -224,12 +258,19 @@ class CompletionRequest(_SamplingFields):
             raise bad_request(f"{len(p)} prompts in one request; send at most {MAX_PROMPTS} per request", "prompt")
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (how lm-eval scores a continuation): the prompt and its
+        logprobs come back, nothing generated. One token is generated and dropped, as vLLM does."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> pb.SamplingParams:
-        if self.echo:
-            raise bad_request("echo is not supported by this server; drop it", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported by this server; drop it", "suffix")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        params = self.sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and not params.HasField("prompt_logprobs"):
+            params.prompt_logprobs = self.logprobs  # echoed prompt tokens carry their logprobs too
+        return params
 
 
 class ContentPart(_Request):
@@ -240,7 +281,14 @@ class ContentPart(_Request):
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # the participant's name, given to the chat template as vLLM does
+
+    def template_message(self) -> dict[str, str]:
+        """The message as the chat template reads it."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -266,10 +314,14 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
+    # vLLM's: extra variables of the chat template render (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> pb.SamplingParams:
         if self.tools:
             raise bad_request("tool calling is not supported by this server; drop tools", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool calling is not supported by this server; drop tool_choice", "tool_choice")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
                 f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}", "top_logprobs"
@@ -280,7 +332,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_message() for m in self.messages]
 
 
 class ResponsesInputMessage(_Request):

@@ -16,17 +16,21 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_cluster.engine.errors import InvalidRequestError
+from vllm_cluster.engine.sampling_params import truncate_prompt
 from vllm_cluster.engine.tokenizer import apply_chat_template
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.openai.backend import Piece, RouterBackend
+from vllm_cluster.router.openai.echo import completion_piece, prompt_texts
 from vllm_cluster.router.openai.errors import ApiError, bad_request, error_body
-from vllm_cluster.router.openai.logprobs import chat_logprobs, completion_logprobs
+from vllm_cluster.router.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from vllm_cluster.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
     _SamplingFields,
 )
+from vllm_cluster.router.openai.responses import response_events, response_object
 
 _MAX_SEQUENCES = 256  # Generate calls one HTTP request may fan out to (prompts x n)
 
@@ -46,11 +50,13 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | None = None
     usage: pb.Usage | None = None
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ...
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.text += response.text
         self.token_ids += response.token_ids
         self.logprobs += response.logprobs
+        self.prompt_logprobs += response.prompt_logprobs
         if response.finish_reason:
             self.finish_reason = response.finish_reason
             self.stop_reason = response.stop_reason or None
@@ -68,6 +74,7 @@ class _Job:
     n: int
     choices: list[_Choice]
     model: str  # what responses name: the adapter the request asked for, else the served model
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
 
 class OpenAIServing:
@@ -82,35 +89,41 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request_id: str) -> dict[str, Any] | AsyncIterator[str]:
         params = body.to_sampling_params()
         prompts = [self._encode(p) for p in body.prompts()]
+        echoed_texts = prompt_texts(self.tokenizer, body)
         job = self._job(f"cmpl-{request_id}", body, prompts, params)
         if body.stream:
-            return await self._start_stream(job, lambda pieces: self._completion_chunks(job, body, pieces))
+            return await self._start_stream(job, lambda p: self._completion_chunks(job, body, p, echoed_texts))
         await self._collect(job)
-        with_logprobs = body.logprobs is not None
+        choices = []
+        for c in job.choices:
+            prompt_ids = list(job.requests[c.index].token_ids.ids)
+            echoed = (echoed_texts[c.index // job.n], prompt_ids, c.prompt_logprobs) if body.echo else None
+            text, logprobs = completion_piece(self.tokenizer, body, c.text, c.logprobs, 0, echoed)
+            choices.append({"index": c.index, "text": text, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason, "logprobs": logprobs})
+            if body.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt_ids, c.prompt_logprobs)
         return {
             "id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
-            "choices": [
-                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                 "logprobs": completion_logprobs(self.tokenizer, c.logprobs, 0) if with_logprobs else None}
-                for c in job.choices
-            ],
-            "usage": self._usage(job),
+            "choices": choices, "usage": self._usage(job),
         }
 
     async def _completion_chunks(
-        self, job: _Job, body: CompletionRequest, pieces: AsyncGenerator[Piece, None]
+        self, job: _Job, body: CompletionRequest, pieces: AsyncGenerator[Piece, None], echoed_texts: list[str]
     ) -> AsyncGenerator[str, None]:
         offsets = [0] * len(job.choices)
+        echo_pending = [body.echo] * len(job.choices)  # the prompt goes ahead of a choice's first piece
         async with aclosing(pieces):
             async for piece in pieces:
-                r = piece.response
-                choice: dict[str, Any] = {
-                    "index": piece.index, "text": r.text, "finish_reason": r.finish_reason or None,
-                    "stop_reason": r.stop_reason or None, "logprobs": None,
-                }
-                if body.logprobs is not None:
-                    choice["logprobs"] = completion_logprobs(self.tokenizer, list(r.logprobs), offsets[piece.index])
-                    offsets[piece.index] += len(r.text)
+                r, i = piece.response, piece.index
+                echoed = None
+                if echo_pending[i]:
+                    echo_pending[i] = False
+                    echoed = (echoed_texts[i // job.n], list(job.requests[i].token_ids.ids), list(r.prompt_logprobs))
+                text, logprobs = completion_piece(self.tokenizer, body, r.text, list(r.logprobs), offsets[i], echoed)
+                offsets[i] += len(text)
+                choice = {"index": i, "text": text, "finish_reason": r.finish_reason or None,
+                          "stop_reason": r.stop_reason or None, "logprobs": logprobs}
                 yield sse(self._chunk(job, "text_completion", choice, body.include_usage))
         if body.include_usage:
             yield sse({"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
@@ -120,12 +133,12 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any] | AsyncIterator[str]:
         params = body.to_sampling_params()
-        prompt = self._encode_chat(body.chat(), body.add_generation_prompt)
+        prompt = self._encode_chat(body.chat(), body.add_generation_prompt, body.chat_template_kwargs)
         job = self._job(f"chatcmpl-{request_id}", body, [prompt], params)
         if body.stream:
             return await self._start_stream(job, lambda pieces: self._chat_chunks(job, body, pieces))
         await self._collect(job)
-        return {
+        response = {
             "id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
             "choices": [
                 {"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -135,6 +148,9 @@ class OpenAIServing:
             ],
             "usage": self._usage(job),
         }
+        if body.prompt_logprobs is not None:  # vLLM's extra: one prompt, on the response
+            response["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt, job.choices[0].prompt_logprobs)
+        return response
 
     async def _chat_chunks(
         self, job: _Job, body: ChatCompletionRequest, pieces: AsyncGenerator[Piece, None]
@@ -165,67 +181,10 @@ class OpenAIServing:
         job = self._job(f"resp_{request_id}", chat, [prompt], params)
         if body.stream:
             return await self._start_stream(
-                job, lambda pieces: self._response_events(job, body, pieces), done_marker=False
+                job, lambda pieces: response_events(job, body, pieces), done_marker=False
             )
         await self._collect(job)
-        return self._response_object(job, body, "completed")
-
-    def _response_object(self, job: _Job, body: ResponsesRequest, status: str) -> dict[str, Any]:
-        c = job.choices[0]
-        output = []
-        if status != "in_progress":
-            output = [self._response_message(job, c.text, "completed")]
-            if c.finish_reason == "length":
-                status = "incomplete"
-        usage = None
-        if c.usage is not None:
-            usage = {
-                "input_tokens": c.usage.prompt_tokens, "input_tokens_details": {"cached_tokens": c.usage.cached_tokens},
-                "output_tokens": c.usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens,
-            }
-        return {
-            "id": job.id, "object": "response", "created_at": job.created, "status": status, "model": job.model,
-            "output": output, "usage": usage, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": False,
-            "tool_choice": "auto", "tools": [], "metadata": {}, "text": {"format": {"type": "text"}},
-        }
-
-    def _response_message(self, job: _Job, text: str, status: str) -> dict[str, Any]:
-        content = (
-            [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-        )
-        return {"id": f"msg_{job.id[5:]}", "type": "message", "role": "assistant", "status": status, "content": content}
-
-    async def _response_events(
-        self, job: _Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None]
-    ) -> AsyncGenerator[str, None]:
-        seq = 0
-
-        def event(kind: str, **data: Any) -> str:
-            nonlocal seq
-            seq += 1
-            payload = json.dumps({"type": kind, "sequence_number": seq - 1, **data}, ensure_ascii=False)
-            return f"event: {kind}\ndata: {payload}\n\n"
-
-        item_id = f"msg_{job.id[5:]}"
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-        yield event("response.created", response=self._response_object(job, body, "in_progress"))
-        yield event("response.in_progress", response=self._response_object(job, body, "in_progress"))
-        yield event("response.output_item.added", output_index=0, item=self._response_message(job, "", "in_progress"))
-        yield event("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": []})
-        async with aclosing(pieces):
-            async for piece in pieces:
-                if piece.response.text:
-                    yield event("response.output_text.delta", **where, delta=piece.response.text, logprobs=[])
-        text = job.choices[0].text
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
-        yield event("response.content_part.done", **where, part=part)
-        yield event("response.output_item.done", output_index=0, item=self._response_message(job, text, "completed"))
-        yield event("response.completed", response=self._response_object(job, body, "completed"))
+        return response_object(job, body, "completed")
 
     # ---- tokenizer routes
 
@@ -249,6 +208,12 @@ class OpenAIServing:
 
     # ---- shared
 
+    async def check_model(self, model: str | None) -> None:
+        """404 for a model that is neither the served one nor a loaded LoRA adapter (tokenizer
+        routes: every adapter shares the base model's tokenizer)."""
+        if model and model != self.model_name and model not in {c.id for c in await self.backend.list_models()}:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send token ids")
@@ -261,16 +226,21 @@ class OpenAIServing:
             return prompt
         return list(self._need_tokenizer().encode(prompt))
 
-    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def _encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """`template_kwargs`: chat_template_kwargs, which may override add_generation_prompt (as in vLLM)."""
         tokenizer = self._need_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
         if not messages:
             raise bad_request("messages is empty: send at least one message", "messages")
-        if add_generation_prompt:
-            return apply_chat_template(tokenizer, messages)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "input_ids") or isinstance(ids, dict) else ids)
+        try:
+            return apply_chat_template(
+                tokenizer, messages, {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+            )
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "chat_template_kwargs") from None
 
     def _job(self, job_id: str, body: _SamplingFields, prompts: list[list[int]], params: pb.SamplingParams) -> _Job:
         # Another name than the base model's names a LoRA adapter; the router says 404
@@ -279,21 +249,31 @@ class OpenAIServing:
         if len(prompts) * body.n > _MAX_SEQUENCES:
             raise bad_request(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} sequences; "
                               f"send at most {_MAX_SEQUENCES} per request", "n")
+        prompts = [self._truncated(p, params) for p in prompts]
         requests = []
         for i, prompt in enumerate(prompts):
             self._check_context(prompt, params)
             for j in range(body.n):
                 request = pb.GenerateRequest(
                     request_id=f"{job_id}-{i}-{j}", token_ids=pb.TokenIds(ids=prompt), sampling_params=params,
-                    tenant_salt=body.cache_salt or "", model=model,
+                    tenant_salt=body.cache_salt or "", model=model, priority=body.priority,
                 )
                 if params.HasField("seed") and body.n > 1:
                     request.sampling_params.seed = params.seed + j  # n samples, reproducible, not identical
                 requests.append(request)
         choices = [_Choice(k) for k in range(len(requests))]
         return _Job(
-            job_id, int(time.time()), requests, [len(p) for p in prompts], body.n, choices, model or self.model_name
+            job_id, int(time.time()), requests, [len(p) for p in prompts], body.n, choices, model or self.model_name,
+            continuous_usage=body.continuous_usage,
         )
+
+    def _truncated(self, prompt: list[int], params: pb.SamplingParams) -> list[int]:
+        """truncate_prompt_tokens, here so that the context check and usage see the prompt served."""
+        k = params.truncate_prompt_tokens if params.HasField("truncate_prompt_tokens") else None
+        try:
+            return truncate_prompt(prompt, k, self.max_model_len)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "truncate_prompt_tokens") from None
 
     def _check_context(self, prompt: list[int], params: pb.SamplingParams) -> None:
         if not prompt:
@@ -333,8 +313,14 @@ class OpenAIServing:
     def _chunk(self, job: _Job, kind: str, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
         chunk = {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice]}
         if include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._choice_usage(job, choice["index"]) if job.continuous_usage else None
         return chunk
+
+    def _choice_usage(self, job: _Job, index: int) -> dict[str, Any]:
+        """One choice's usage so far (continuous_usage_stats, as vLLM counts it: per choice)."""
+        prompt_tokens, completion = job.prompt_lengths[index // job.n], len(job.choices[index].token_ids)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
 
     def _usage(self, job: _Job) -> dict[str, Any]:
         # The prompt is counted once per prompt, not once per choice (as OpenAI does).

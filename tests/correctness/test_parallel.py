@@ -94,6 +94,20 @@ def test_greedy_tokens_equal_one_process(parallel: LLM, reference: list[RequestO
     _assert_no_leaks(parallel)
 
 
+def test_prompt_logprobs_equal_one_process(parallel: LLM, single: LLM) -> None:
+    """The prompt rows' logits come back from the last stage, micro-batch by micro-batch."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    ours, want = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (parallel, single))
+    for a, b in zip(ours, want, strict=True):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y, token_id in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:], strict=True):
+            assert x is not None and y is not None
+            assert abs(x[token_id].logprob - y[token_id].logprob) < 2e-3
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    _assert_no_leaks(parallel)
+
+
 def test_repeated_prompt_hits_the_prefix_cache(parallel: LLM, reference: list[RequestOutput]) -> None:
     again = parallel.generate(LONG, PARAMS, use_tqdm=False)[0]
     assert again.num_cached_tokens >= len(again.prompt_token_ids) - 16

@@ -292,7 +292,8 @@ _ANY = st.one_of(
 )
 _FIELDS = ["model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "top_logprobs",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-           "stop_token_ids", "stream", "stream_options", "best_of", "echo", "logit_bias", "prompt", "messages"]
+           "stop_token_ids", "stream", "stream_options", "best_of", "echo", "logit_bias", "prompt", "messages",
+           "prompt_logprobs"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,0 +1,123 @@
+"""Structured output's cost: output tokens/s of a batch constrained by a mid-size JSON
+schema against the same batch unconstrained (and half of each), in one run.
+
+    python benchmarks/bench_structured_output.py                # llama-3.1-8b dummy weights, CUDA, batch 64
+    python benchmarks/bench_structured_output.py --tiny         # SmolLM2 on CPU, batch 4: a quick check
+
+`LLM(preset, load_format="dummy", device="cuda", max_num_seqs=batch)`; --batch prompts of
+random token ids (--prompt-len), all submitted at once through `LLM.generate`, greedy, up
+to --max-tokens each. Dummy weights come without a tokenizer, so the grammar is compiled
+against the bundled SmolLM2 tokenizer (49,152 tokens) with the bitmask sized to the
+model's vocabulary (128,256): the host-side mask work is that of a 49k-token vocabulary,
+the device-side masking that of the model's. Constrained requests end when the schema is
+complete, so each row reports its own token count. Every row: the same engine, warmed up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.engine.loader import bundled_model_path
+from vllm_cluster.engine.structured_output import GrammarCache
+from vllm_cluster.engine.structured_output_params import StructuredOutputsParams
+from vllm_cluster.engine.tokenizer import load_tokenizer
+
+# Mid-size: nested objects, arrays, enums, bounded strings and integers.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "name": {"type": "string", "maxLength": 24},
+        "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,10}\\.(com|org|net)$"},
+        "role": {"enum": ["admin", "editor", "viewer", "guest"]},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "maxLength": 30},
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                "country": {"enum": ["US", "FR", "DE", "JP"]},
+            },
+            "required": ["street", "city", "zip", "country"],
+            "additionalProperties": False,
+        },
+        "score": {"type": "integer", "minimum": -100, "maximum": 100},
+    },
+    "required": ["id", "name", "email", "role", "active", "tags", "address", "score"],
+    "additionalProperties": False,
+}
+
+
+def build(args: argparse.Namespace) -> LLM:
+    if args.tiny:
+        return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", num_threads=2, max_num_seqs=args.batch,
+                   num_blocks=256, max_model_len=1024, max_num_batched_tokens=256)
+    llm = LLM(args.preset, load_format="dummy", device="cuda", max_num_seqs=args.batch)
+    core = llm.core
+    core.grammars = GrammarCache(lambda: load_tokenizer(bundled_model_path()), core.vocab_size, core.eos_token_id)
+    return llm
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    valid = 0
+    for output, p in zip(outputs, params, strict=True):
+        if p.structured_outputs is not None and output.outputs[0].finish_reason == "stop":
+            valid += 1
+    return {"elapsed_s": round(elapsed, 3), "output_tokens": tokens, "output_tok_s": round(tokens / elapsed, 1),
+            "constrained_finished": valid}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-3.1-8b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--tiny", action="store_true", help="SmolLM2 on CPU, batch 4, 24 tokens: a quick check")
+    args = parser.parse_args()
+    if args.tiny:
+        args.batch, args.prompt_len, args.max_tokens = 4, 16, 24
+    llm = build(args)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    so = StructuredOutputsParams(json=SCHEMA)
+    plain = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    constrained = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured_outputs=so)
+    start = time.perf_counter()
+    llm.core.grammars.compiled(so)
+    compile_s = time.perf_counter() - start  # with the tokenizer's set-up, once per engine
+    run(llm, prompts[:4], [plain, constrained] * 2)  # warm-up
+    half = args.batch // 2
+    rows = {
+        "unconstrained": run(llm, prompts, [plain] * args.batch),
+        "json_schema": run(llm, prompts, [constrained] * args.batch),
+        "half_and_half": run(llm, prompts, [constrained] * half + [plain] * (args.batch - half)),
+    }
+    name = "smollm2-135m-instruct (cpu)" if args.tiny else f"{args.preset} (dummy, {torch.cuda.get_device_name()})"
+    print(json.dumps({"model": name, "batch": args.batch, "grammar_setup_s": round(compile_s, 3), **rows}))
+    base = rows["unconstrained"]["output_tok_s"]
+    print(f"\n{name}, batch {args.batch}, prompt {args.prompt_len}, up to {args.max_tokens} tokens, greedy")
+    print("| requests | output tokens | output tok/s | of unconstrained |")
+    print("|---|---|---|---|")
+    for label, r in rows.items():
+        print(f"| {label} | {r['output_tokens']} | {r['output_tok_s']} | {r['output_tok_s'] / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
