@@ -62,7 +62,9 @@ class Sampler:
         cloned = False
         for i, request in enumerate(requests):
             params = request.sampling_params
-            needs_min_tokens = _num_outputs_before(request) < params.min_tokens
+            # A grammar decides where its answer ends: min_tokens does not hold it open (it would
+            # ban the only token a complete grammar allows).
+            needs_min_tokens = request.grammar is None and _num_outputs_before(request) < params.min_tokens
             if not (params.has_penalties or needs_min_tokens):
                 continue
             if not cloned:

@@ -76,6 +76,16 @@ def test_grammar_end_finishes_the_request_even_with_ignore_eos(smollm2: LLM) -> 
     assert len(out.token_ids) <= 3  # "ok" and the end of sequence
 
 
+def test_min_tokens_does_not_hold_a_complete_grammar_open(smollm2: LLM) -> None:
+    """min_tokens bans the end-of-sequence token; a complete grammar allows nothing else, so
+    the grammar decides: the same answer as without min_tokens, nothing outside the grammar."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [SamplingParams(max_tokens=20, temperature=0, min_tokens=n, structured_outputs=choice) for n in (0, 10)]
+    outs = [smollm2.generate(["Is the sky blue? Answer:"], p, use_tqdm=False)[0].outputs[0] for p in params]
+    assert outs[1].text in ("yes", "no") and outs[1].finish_reason == "stop"
+    assert outs[1].token_ids == outs[0].token_ids
+
+
 def test_unconstrained_requests_in_a_mixed_batch_are_untouched(smollm2: LLM) -> None:
     tok = smollm2.get_tokenizer()
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "1, 2, 3,")]
