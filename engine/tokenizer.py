@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_cluster.engine.errors import InvalidRequestError, ModelLoadError
+from vllm_cluster.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -19,6 +19,17 @@ def load_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def chat_template_text(value: str, where: str = "chat_template") -> str:
+    """vLLM's --chat-template: the Jinja template itself (text holding `{`), or a file's path."""
+    if "{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{where}: {value!r} is no file, nor a Jinja template (one holds '{{'); "
+                          "give the template's path or its text")
+    return path.read_text()
 
 
 # What apply_chat_template itself decides; chat_template_kwargs may not set these.

@@ -15,10 +15,11 @@ import yaml
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_cluster.engine.config import EngineConfig, EngineRole
+from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.engine.loader import resolve
 from vllm_cluster.engine.models.config import ModelArchConfig
 from vllm_cluster.engine.resolve import max_model_len
-from vllm_cluster.engine.tokenizer import load_tokenizer
+from vllm_cluster.engine.tokenizer import chat_template_text, load_tokenizer
 from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.openai.app import HttpServer, build_app
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     engine_config = EngineConfig.from_yaml(args.config)
     source = resolve(engine_config.model)
     tokenizer = load_tokenizer(source.tokenizer_path) if source.tokenizer_path is not None else None
+    if config.chat_template:
+        if tokenizer is None:
+            raise ConfigError(f"router.chat_template: {engine_config.model.model} has no tokenizer to use it with")
+        tokenizer.chat_template = chat_template_text(config.chat_template, "router.chat_template")
     token = os.environ.get(TOKEN_ENV)
     registry = Registry(args.prefill, args.decode, token, config.stats_interval_s)
     prefix_index = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_cluster.engine.config import build_section
 from vllm_cluster.engine.errors import ConfigError
+from vllm_cluster.engine.tokenizer import chat_template_text
 
 FAILURE_POLICIES = ("recompute", "fail")
 # The routing policies router/policy.py implements (it checks that it implements exactly these).
@@ -27,6 +28,9 @@ class RouterConfig:
     # route but /health. Empty: the VLLM_API_KEY environment variable, else no key.
     api_key: str = ""
     max_request_bytes: int = 16 * 1024 * 1024  # larger HTTP bodies get 413
+    # The chat template for chat requests, instead of the tokenizer's own (vLLM's
+    # --chat-template): a file's path, or the Jinja text itself.
+    chat_template: str = ""
     # A request's line and headers must be whole this long after its first byte (or after the
     # connection opened), its body this long after the request began; else 408 and close.
     http_header_timeout_s: float = 10.0
@@ -78,6 +82,8 @@ class RouterConfig:
         for name in ("tls_certfile", "tls_keyfile"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 raise ConfigError(f"router.{name}: {getattr(self, name)!r} is not a file")
+        if self.chat_template:
+            chat_template_text(self.chat_template, "router.chat_template")
         if self.max_request_bytes < 1024:
             raise ConfigError("router.max_request_bytes must be >= 1024")
         if self.max_queued_requests < 0:
