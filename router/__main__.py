@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     server.start()
     serving = OpenAIServing(
-        RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len
+        RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len,
+        config.reasoning_parser,
     )
     draining = threading.Event()
     http = _start_http(config, args, serving, servicer, registry, api_key, draining)

@@ -31,6 +31,9 @@ class RouterConfig:
     # The chat template for chat requests, instead of the tokenizer's own (vLLM's
     # --chat-template): a file's path, or the Jinja text itself.
     chat_template: str = ""
+    # Reasoning parser for chat responses (vLLM's --reasoning-parser): "" (none), "deepseek_r1"
+    # or "qwen3"; <think> text then goes to `reasoning_content`.
+    reasoning_parser: str = ""
     # A request's line and headers must be whole this long after its first byte (or after the
     # connection opened), its body this long after the request began; else 408 and close.
     http_header_timeout_s: float = 10.0
@@ -84,6 +87,8 @@ class RouterConfig:
                 raise ConfigError(f"router.{name}: {getattr(self, name)!r} is not a file")
         if self.chat_template:
             chat_template_text(self.chat_template, "router.chat_template")
+        if self.reasoning_parser not in ("", "deepseek_r1", "qwen3"):
+            raise ConfigError(f"router.reasoning_parser {self.reasoning_parser!r}: give deepseek_r1, qwen3 or ''")
         if self.max_request_bytes < 1024:
             raise ConfigError("router.max_request_bytes must be >= 1024")
         if self.max_queued_requests < 0:

@@ -30,6 +30,7 @@ from vllm_cluster.router.openai.protocol import (
     ResponsesRequest,
     _SamplingFields,
 )
+from vllm_cluster.router.openai.reasoning import ReasoningSplitter, split_reasoning
 from vllm_cluster.router.openai.responses import response_events, response_object
 
 _MAX_SEQUENCES = 256  # Generate calls one HTTP request may fan out to (prompts x n)
@@ -78,11 +79,14 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, backend: RouterBackend, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, backend: RouterBackend, tokenizer: Any, model_name: str, max_model_len: int, reasoning_parser: str = ""
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.reasoning_parser = reasoning_parser  # "": none; else one of reasoning.PARSERS
 
     # ---- completions
 
@@ -141,7 +145,7 @@ class OpenAIServing:
         response = {
             "id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
             "choices": [
-                {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                {"index": c.index, "message": self._chat_message(c.text),
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                  "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if body.logprobs else None}
                 for c in job.choices
@@ -152,14 +156,21 @@ class OpenAIServing:
             response["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt, job.choices[0].prompt_logprobs)
         return response
 
+    def _chat_message(self, text: str) -> dict[str, Any]:
+        if not self.reasoning_parser:
+            return {"role": "assistant", "content": text}
+        reasoning, content = split_reasoning(self.reasoning_parser, text)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
     async def _chat_chunks(
         self, job: _Job, body: ChatCompletionRequest, pieces: AsyncGenerator[Piece, None]
     ) -> AsyncGenerator[str, None]:
         started = [False] * len(job.choices)
+        splitters = [ReasoningSplitter(self.reasoning_parser) if self.reasoning_parser else None for _ in job.choices]
         async with aclosing(pieces):
             async for piece in pieces:
                 r = piece.response
-                delta: dict[str, Any] = {"content": r.text}
+                delta = _chat_delta(splitters[piece.index], r.text, bool(r.finish_reason))
                 if not started[piece.index]:
                     started[piece.index] = True
                     delta["role"] = "assistant"
@@ -358,3 +369,20 @@ async def _stream(events: AsyncGenerator[str, None], done_marker: bool) -> Async
             yield sse(error_body(e))
     if done_marker:
         yield "data: [DONE]\n\n"
+
+
+def _chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, Any]:
+    """A streamed chat delta: the text as content, or split by the reasoning parser (its
+    held-back tail sent with the last piece)."""
+    if splitter is None:
+        return {"content": text}
+    reasoning, content = splitter.feed(text)
+    if last:
+        more_reasoning, more_content = splitter.flush()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    delta: dict[str, Any] = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content or not reasoning:
+        delta["content"] = content
+    return delta

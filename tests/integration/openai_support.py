@@ -47,11 +47,12 @@ class Front(NamedTuple):
 
 @contextlib.contextmanager
 def start_front(
-    router_address: str, tokenizer: Any = None, header_timeout_s: float = 10.0, **options: Any
+    router_address: str, tokenizer: Any = None, header_timeout_s: float = 10.0, reasoning_parser: str = "",
+    **options: Any,
 ) -> Iterator[Front]:
     """The real HTTP front (build_app on uvicorn, on loopback) over the router's gRPC API at
     `router_address`. Without a tokenizer, prompts are token ids."""
-    serving = OpenAIServing(RouterBackend(router_address, KEY), tokenizer, MODEL, 1024)
+    serving = OpenAIServing(RouterBackend(router_address, KEY), tokenizer, MODEL, 1024, reasoning_parser)
     server = HttpServer(build_app(serving, KEY, **options), "127.0.0.1", 0, header_timeout_s=header_timeout_s).start()
     try:
         yield Front(f"http://127.0.0.1:{server.port}")

@@ -142,3 +142,29 @@ def test_colocated_json_schema_equals_offline(colocated: LocalCluster, smollm2: 
     jsonschema.validate(json.loads(text), CITY)
     params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=CITY))
     assert text == smollm2.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_reasoning_parser_splits_think_text_whole_and_streamed(cluster: LocalCluster) -> None:
+    """A front with router.reasoning_parser deepseek_r1 over the cluster; a regex makes
+    SmolLM2 write reasoning, </think>, then an answer: the reasoning goes to
+    reasoning_content, the rest to content, the same whole and streamed."""
+    from tests.integration.openai_support import start_front
+    from vllm_cluster.engine.loader import bundled_model_path
+    from vllm_cluster.engine.tokenizer import load_tokenizer
+
+    regex = "[a-z]{3,12}</think>[A-Z][a-z]{2,10}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a city."}], "max_tokens": 40,
+            "temperature": 0, "extra_body": {"structured_outputs": {"regex": regex}}}
+    with start_front(cluster.router_address, tokenizer=load_tokenizer(bundled_model_path()),
+                     reasoning_parser="deepseek_r1") as front:
+        client = openai.OpenAI(base_url=f"{front.http_address}/v1", api_key=KEY)
+        whole = client.chat.completions.create(**body).choices[0].message
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(**body, stream=True):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                reasoning += getattr(delta, "reasoning_content", None) or ""
+                content += delta.content or ""
+    whole_reasoning = getattr(whole, "reasoning_content", None) or whole.model_extra.get("reasoning_content")
+    assert re.fullmatch("[a-z]{3,12}", whole_reasoning) and re.fullmatch("[A-Z][a-z]{2,10}", whole.content or "")
+    assert (reasoning, content) == (whole_reasoning, whole.content)
