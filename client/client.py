@@ -35,7 +35,7 @@ import grpc
 
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
-from vllm_cluster.worker.rpc import CHANNEL_OPTIONS, RETRY_AFTER_KEY
+from vllm_cluster.worker.rpc import CHANNEL_OPTIONS, retry_after_s
 
 
 class ClientError(Exception):
@@ -217,9 +217,4 @@ def _sampling_params(fields: dict[str, Any]) -> pb.SamplingParams:
 def _client_error(e: grpc.RpcError) -> ClientError:
     code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = e.details() if isinstance(e, grpc.Call) else str(e)
-    retry_after_s = None
-    if isinstance(e, grpc.Call):
-        for key, value in e.trailing_metadata() or ():
-            if key == RETRY_AFTER_KEY and str(value).isdigit():
-                retry_after_s = int(value)
-    return ClientError(code, details or code.name.lower(), retry_after_s)
+    return ClientError(code, details or code.name.lower(), retry_after_s(e))

@@ -185,6 +185,17 @@ _ENDPOINT = re.compile(r"\b(?:[a-z]+://)?(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-f:]+
 _ADDRESS = re.compile(r"\b0x[0-9a-f]{6,}\b", re.IGNORECASE)
 
 
+def retry_after_s(e: grpc.RpcError) -> int | None:
+    """The router's estimate of when to retry a RESOURCE_EXHAUSTED call (RETRY_AFTER_KEY in
+    its trailing metadata), or None."""
+    if not isinstance(e, grpc.Call):
+        return None
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY and str(value).isdigit():
+            return int(value)
+    return None
+
+
 def scrub(message: str) -> str:
     """A message fit for clients: no tracebacks, memory addresses or internal endpoints
     (the full text stays in the server's log)."""

@@ -21,7 +21,7 @@ import grpc
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.openai.errors import ApiError
-from vllm_cluster.worker.rpc import CHANNEL_OPTIONS, RETRY_AFTER_KEY
+from vllm_cluster.worker.rpc import CHANNEL_OPTIONS, retry_after_s
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ _HTTP_STATUS = {
 def api_error(e: grpc.RpcError) -> ApiError:
     code = e.code()
     status = _HTTP_STATUS.get(code, 500)
-    retry = _retry_after_s(e) if status in (429, 503) else None
+    retry = (retry_after_s(e) or RETRY_AFTER_S) if status in (429, 503) else None
     details = e.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE and _LINK_DOWN.match(details):
         logger.warning("the router's gRPC API is unreachable: %s", details)
@@ -69,14 +69,6 @@ def api_error(e: grpc.RpcError) -> ApiError:
     elif code == grpc.StatusCode.INVALID_ARGUMENT and (field := _INSTANCE_CHECKED.search(details)):
         param = field.group(1)
     return ApiError(status, details, param, retry_after_s=retry)
-
-
-def _retry_after_s(e: grpc.RpcError) -> int:
-    """The router's estimate from its admission queue (trailing metadata), else RETRY_AFTER_S."""
-    for key, value in e.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY and str(value).isdigit():
-            return int(value)
-    return RETRY_AFTER_S
 
 
 @dataclass(slots=True)

@@ -124,17 +124,8 @@ def _connect(front: LocalCluster | Front) -> socket.socket:
 def post_partial_body(front: LocalCluster | Front, declared: int, sent: bytes) -> tuple[bytes, bool]:
     """Announce `declared` body bytes, send only `sent`, then wait: what the server answers,
     and whether it then closed the connection (a read of b"" before the socket timeout)."""
-    with _connect(front) as sock:
-        sock.settimeout(15)
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
-        answer = b""
-        try:
-            while chunk := sock.recv(4096):
-                answer += chunk
-        except TimeoutError:
-            return answer, False
-        return answer, True
+    return send_and_wait(front, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                                f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
 
 
 def send_and_wait(front: LocalCluster | Front, sent: bytes) -> tuple[bytes, bool]:
