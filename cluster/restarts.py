@@ -143,7 +143,10 @@ class Watchdog:
             self._record(Restart(now, reason, pid=pid, start_ticks=ticks))
 
     def _record(self, restart: Restart) -> None:
-        self.restarts.append(restart)
+        # The file first, then the list: whoever sees the restart in `restarts` finds it on
+        # disk too (what `vllm-cluster status` reads).
+        rows = [*self.restarts, restart]
         tmp = self._file.with_suffix(".tmp")
-        tmp.write_text(json.dumps([asdict(r) for r in self.restarts]))
+        tmp.write_text(json.dumps([asdict(r) for r in rows]))
         tmp.replace(self._file)
+        self.restarts = rows
