@@ -3,6 +3,7 @@
   vllm-cluster up -f configs/local.yaml [--detach]      # the cluster on Ray (cluster/up.py)
   vllm-cluster up -f configs/local.yaml --chat "Hi"     # ... answer one chat message, keep serving
   vllm-cluster status | logs INSTANCE [--tail N] | down # a cluster `up` started (--name, -f)
+  vllm-cluster chaos -f configs/local.yaml              # kill its processes under load; check it heals
   vllm-cluster worker prefill -f FILE --index 0         # one instance without Ray (containers)
   vllm-cluster serve -f configs/local.yaml              # plain processes here, no Ray
   vllm-cluster serve -f configs/local.yaml --once "Hi"  # ... answer one chat message, then stop
@@ -31,6 +32,7 @@ import yaml
 from vllm_cluster.client import Client, ClientError, Completion
 from vllm_cluster.cluster.cli_args import (
     SAMPLE_CHAT,
+    add_chaos_parser,
     add_down_parser,
     add_status_parsers,
     add_up_parser,
@@ -88,6 +90,12 @@ def _worker(args: argparse.Namespace) -> int:
     return worker_main(args)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from vllm_cluster.cluster.chaos import chaos_main
+
+    return chaos_main(args)
+
+
 def _health(args: argparse.Namespace) -> int:
     """For container healthchecks: 0 when the gRPC server at --address says SERVING."""
     from vllm_cluster.worker.rpc import check_health, make_channel
@@ -99,6 +107,7 @@ def _health(args: argparse.Namespace) -> int:
 
 _CLUSTER_COMMANDS = {
     "up": _up, "down": _down, "status": _status, "logs": _logs, "worker": _worker, "health": _health,
+    "chaos": _chaos,
 }
 
 
@@ -108,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     add_up_parser(sub)
     add_down_parser(sub)
     add_status_parsers(sub)
+    add_chaos_parser(sub)
     add_worker_parser(sub)
     p = sub.add_parser("health", help="exit 0 when a server's gRPC health says SERVING (container healthchecks)")
     p.add_argument("--address", required=True, help="host:port of a router, prefill or decode instance")

@@ -58,6 +58,17 @@ def add_status_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
 
 
+def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chaos", help="kill a running cluster's processes under load and check it heals (a soak)")
+    add_state_args(p)
+    p.add_argument("--num-faults", type=int, default=12, help="faults to inject (each kind at least once)")
+    p.add_argument("--fault-interval-s", type=float, default=5.0, help="seconds between faults")
+    p.add_argument("--concurrency", type=int, default=6, help="client threads of the steady load")
+    p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
+    p.add_argument("--prompt", dest="prompts", action="append", default=[],
+                   help="a prompt of the load (repeatable; default: six built-in sentences)")
+
+
 def add_down_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("down", help="stop a cluster `up` started (by -f FILE or --name)")
     add_state_args(p)

@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -20,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.e2e.up import cli as _cli
 from tests.listening import is_loopback, listening_addresses
 from vllm_cluster.client import Client, ClientError
 from vllm_cluster.cluster.procs import ProcessRef, session_members
@@ -52,11 +51,6 @@ router:
   api_key: e2e-api-key-{pid}
   queue_timeout_s: 60         # a request may wait for a restarting decode instance
 """
-
-
-def _cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "vllm_cluster.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_up_request_status_logs_down(tmp_path: Path) -> None:
