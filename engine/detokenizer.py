@@ -1,7 +1,10 @@
 """Incremental detokenization and stop strings that may span token boundaries.
 
 Text is decoded over a small window of recent tokens; a trailing U+FFFD means a
-multi-byte character is incomplete, so that text waits for the next token.
+multi-byte character is incomplete, so that text waits for the next token. A prompt may end
+inside a character (a migrated request's continuation does whenever the lost instance was
+holding half of one back): that character's first tokens count as not yet read, so the
+output token that completes it brings the whole character.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._read_offset -= num_unfinished_tokens(tokenizer, self._ids, params.skip_special_tokens)
         self._num_output_tokens = 0
         self.text = ""
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
@@ -49,3 +53,13 @@ class IncrementalDetokenizer:
                 self.text = self.text[:end]
                 return stop
         return None
+
+
+def num_unfinished_tokens(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool = True) -> int:
+    """How many of the last tokens of `token_ids` end inside a character (their text waits
+    for the tokens that complete it): at most 3, the continuation bytes a UTF-8 character can
+    be missing, so bytes that never form a character are not waited for."""
+    n = len(token_ids)
+    while n > max(0, len(token_ids) - 3) and tokenizer.decode(token_ids[:n], skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+        n -= 1
+    return len(token_ids) - n

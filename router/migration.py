@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_cluster.engine.detokenizer import num_unfinished_tokens
 from vllm_cluster.proto import cluster_pb2 as pb
 
 
@@ -62,7 +63,11 @@ def held_back_text(tokenizer: Any, request: pb.WorkerRequest, progress: Progress
     params = request.sampling_params
     skip = params.skip_special_tokens if params.HasField("skip_special_tokens") else True
     prompt_text = tokenizer.decode(progress.prompt, skip_special_tokens=skip)
-    full = tokenizer.decode(progress.prompt + progress.token_ids, skip_special_tokens=skip)
+    # Tokens that end inside a character are the next leg's to send: its detokenizer counts
+    # them as unread, so the token that completes the character brings all of it.
+    relayed = progress.prompt + progress.token_ids
+    relayed = relayed[: len(relayed) - num_unfinished_tokens(tokenizer, relayed, skip)]
+    full = tokenizer.decode(relayed, skip_special_tokens=skip)
     generated = full[len(prompt_text):] if full.startswith(prompt_text) else ""
     sent = progress.text + progress.pending_text
     return generated[len(sent):] if generated.startswith(sent) else ""

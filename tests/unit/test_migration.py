@@ -3,7 +3,9 @@ with its limits reduced; text a lost instance held back is recovered exactly."""
 
 from __future__ import annotations
 
+from vllm_cluster.engine.detokenizer import IncrementalDetokenizer
 from vllm_cluster.engine.loader import bundled_model_path
+from vllm_cluster.engine.sampling_params import SamplingParams
 from vllm_cluster.engine.tokenizer import load_tokenizer
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.migration import Progress, continuation, held_back_text, remaining_tokens
@@ -40,3 +42,29 @@ def test_held_back_text_is_what_was_generated_but_not_sent() -> None:
     assert held_back_text(tokenizer, _request(), progress) == full[-4:]
     assert held_back_text(tokenizer, _request(), Progress(prompt, token_ids=generated, text=full)) == ""
     assert held_back_text(None, _request(), progress) == ""
+
+
+def test_a_migration_inside_a_multibyte_character_loses_and_adds_nothing() -> None:
+    """At every split point of an output whose characters span two tokens each: the text the
+    lost instance sent, the text it held back, and the text the continuation's instance
+    sends add up to the text one instance would have sent."""
+    tokenizer = load_tokenizer(bundled_model_path())
+    prompt = tokenizer.encode("Say it in Arabic:")
+    output = tokenizer.encode("صص！ and ص")
+    assert any(tokenizer.decode(output[:k]).endswith("\ufffd") for k in range(1, len(output)))
+    whole = _detokenized(tokenizer, prompt, output)
+    assert whole == tokenizer.decode(output)
+    for k in range(1, len(output)):
+        sent = _detokenized(tokenizer, prompt, output[:k])
+        progress = Progress(prompt, token_ids=output[:k], text=sent)
+        progress.pending_text = held_back_text(tokenizer, _request(), progress)
+        rest = _detokenized(tokenizer, prompt + output[:k], output[k:])
+        assert sent + progress.pending_text + rest == whole, k
+
+
+def _detokenized(tokenizer: object, prompt: list[int], output: list[int]) -> str:
+    """What an instance streams for `output` after `prompt`, token by token."""
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    for token_id in output:
+        detokenizer.update([token_id])
+    return detokenizer.text
