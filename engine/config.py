@@ -48,9 +48,13 @@ yaml.SafeDumper.add_representer(EngineRole, lambda dumper, role: dumper.represen
 
 @dataclass(slots=True)
 class ModelConfig:
-    # A path (HF directory or .gguf file), the bundled "smollm2-135m-instruct", or, with
-    # load_format "dummy", a preset name (see engine/loader/presets.py).
+    # A path (HF directory or .gguf file), a model id ("org/name") found offline in the
+    # local Hugging Face cache (engine/loader/hf_cache.py), the bundled
+    # "smollm2-135m-instruct", or, with load_format "dummy", a preset name (see
+    # engine/loader/presets.py).
     model: str = "smollm2-135m-instruct"
+    # A model id's branch, tag or commit hash in the cache (vLLM's `revision`); None: "main".
+    revision: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0

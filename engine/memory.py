@@ -53,7 +53,8 @@ def activation_bytes(arch: ModelArchConfig, sched: SchedulerConfig, element_size
     tokens = max(max_num_batched_tokens, max_num_seqs)
     q_width = arch.num_attention_heads * arch.head_dim
     kv_width = arch.num_key_value_heads * arch.head_dim
-    mlp_width = 3 * arch.intermediate_size * max(1, arch.num_experts_per_tok)
+    moe_width = arch.moe_intermediate_size * arch.num_experts_per_tok + arch.shared_expert_intermediate_size
+    mlp_width = 3 * max(arch.intermediate_size, moe_width)
     per_token = (4 * arch.hidden_size + q_width + 2 * kv_width + mlp_width) * element_size
     logits = max_num_seqs * arch.vocab_size * 4 * 3
     return tokens * per_token + logits + GRAPH_AND_SLACK_BYTES

@@ -63,6 +63,12 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
     arch = model.config if model is not None else ModelArchConfig.from_hf_dict(source.hf_config)
     _check_split(config, source, arch)
     max_len = max_model_len(config, arch.max_position_embeddings)
+    if arch.sliding_window is not None and max_len > arch.sliding_window:
+        raise ConfigError(
+            f"{arch.architecture} attends within a sliding window of {arch.sliding_window} tokens "
+            f"(config.json sliding_window), which the engine does not implement: set max_model_len "
+            f"<= {arch.sliding_window}, within which the window changes nothing"
+        )
     _, max_num_batched_tokens = config.scheduler.batch_limits()
     if not config.scheduler.enable_chunked_prefill and max_num_batched_tokens < max_len:
         raise ConfigError(

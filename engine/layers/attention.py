@@ -30,6 +30,8 @@ class Attention(nn.Module):
         head_dim: int,
         qkv_bias: bool,
         qk_norm_eps: float | None,
+        scale: float | None = None,
+        qk_norm_per_head: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -37,12 +39,15 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale  # the softmax scale (Granite sets its own)
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden_size, bias=False)
-        # Qwen3 normalises each head of q and k before the rotation.
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        # Qwen3 normalises each head of q and k before the rotation; OLMo 2 the whole q and
+        # the whole k projection (qk_norm_per_head False).
+        self.qk_norm_per_head = qk_norm_per_head
+        q_norm_size, k_norm_size = (head_dim, head_dim) if qk_norm_per_head else (self.q_size, self.kv_size)
+        self.q_norm = RMSNorm(q_norm_size, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(k_norm_size, qk_norm_eps) if qk_norm_eps is not None else None
         # Not in the state dict: a checkpoint's scales load by name (CausalLM.load_weights).
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
@@ -64,10 +69,12 @@ class Attention(nn.Module):
         takes_normed) -> the heads' outputs [T, Hq * D]."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if not self.qk_norm_per_head and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)  # [T, Hq * D], [T, Hkv * D]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm_per_head and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         # Rotate q and k, write k and v into the cache, attend. On CUDA a prefill rotates and
         # writes in one launch; decode attention rotates and writes the new token itself.

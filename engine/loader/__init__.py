@@ -20,6 +20,8 @@ import torch
 from vllm_cluster.engine.config import ModelConfig
 from vllm_cluster.engine.errors import ConfigError, ModelLoadError
 from vllm_cluster.engine.loader.gguf_file import gguf_hf_config, gguf_weights
+from vllm_cluster.engine.loader.hf_cache import is_model_id, snapshot_dir
+from vllm_cluster.engine.loader.hf_names import hf_weights
 from vllm_cluster.engine.loader.presets import PRESETS
 from vllm_cluster.engine.models import CausalLM, ModelArchConfig
 from vllm_cluster.engine.quantization import get_method, select_method
@@ -81,12 +83,7 @@ def _locate(config: ModelConfig) -> ModelSource:
     elif fmt == "dummy" and name in PRESETS:
         return ModelSource("dummy", None, {**PRESETS[name], **config.hf_overrides})
     else:
-        path = Path(name).expanduser()
-        if not path.exists():
-            raise ModelLoadError(
-                f"model {name!r} is neither an existing path, {BUNDLED_MODEL!r}, nor (with "
-                f"load_format: dummy) a preset of {sorted(PRESETS)}"
-            )
+        path = _model_path(name, config.revision)
     assert path is not None
     if path.is_file() or fmt == "gguf":
         gguf_path = path if path.is_file() else _single(path, "*.gguf")
@@ -100,6 +97,26 @@ def _locate(config: ModelConfig) -> ModelSource:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from None
     return ModelSource("dummy" if fmt == "dummy" else "hf", path, {**hf, **config.hf_overrides})
+
+
+def _model_path(name: str, revision: str | None) -> Path:
+    """A local path, else a model id's snapshot in the local Hugging Face cache (hf_cache.py)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise ModelLoadError(f"model.revision {revision!r} picks a cached snapshot of a model id, "
+                                 f"but {name!r} is a local path: unset revision")
+        return path
+    if not is_model_id(name):
+        raise ModelLoadError(
+            f"model {name!r} is neither an existing path, {BUNDLED_MODEL!r}, a model id in the local "
+            f"Hugging Face cache, nor (with load_format: dummy) a preset of {sorted(PRESETS)}"
+        )
+    try:
+        return snapshot_dir(name, revision)
+    except ModelLoadError as e:
+        hint = f" ({name!r} is also a preset: set load_format: dummy for random weights)" if name in PRESETS else ""
+        raise ModelLoadError(f"{e}{hint}") from None
 
 
 def _single(directory: Path, pattern: str) -> Path:
@@ -125,7 +142,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, se
             model.load_weights(gguf_weights(source.path, source.hf_config))
         else:
             assert source.path is not None
-            model.load_weights(_safetensors_weights(source.path))
+            model.load_weights(hf_weights(arch, _safetensors_weights(source.path)))
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights of {source.path} do not match {arch.architecture}: {e}") from e
     if method is not None and not method.quantizes_checkpoint:

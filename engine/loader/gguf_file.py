@@ -83,12 +83,34 @@ def gguf_hf_config(path: Path) -> dict[str, Any]:
         "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // num_heads),
         "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(reader, arch, path, names),
         "max_position_embeddings": _field(reader, f"{arch}.context_length", 4096),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+
+
+def _rope_scaling(reader: Any, arch: str, path: Path, names: set[str]) -> dict[str, Any] | None:
+    """llama.cpp's rope scaling keys as HF rope parameters; ModelArchConfig refuses a type
+    the engine does not run."""
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(
+            f"{path}: per-dimension rope frequencies (rope_freqs, llama.cpp's form of llama3 scaling) "
+            "are not supported; load the model's HF checkpoint instead"
+        )
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if kind is None:  # older files state only a linear scale
+        kind, factor = "linear", _field(reader, f"{arch}.rope.scale_linear")
+    if kind == "none" or factor in (None, 1.0):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
 
 
 def _undo_llama_permute(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.models import families
+from vllm_cluster.engine.models.families import GraniteScales
+from vllm_cluster.engine.models.rope_parameters import read_rope, rope_context_length
 
 # The architectures one shared decoder implements, and what each adds.
 SUPPORTED_ARCHITECTURES = {
@@ -14,6 +17,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite",
 }
 
 
@@ -29,7 +37,10 @@ class ModelArchConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    # Normalised (engine/models/rope_parameters.py); None: plain RoPE.
     rope_scaling: dict[str, Any] | None
+    # The positions the model serves: HF's max_position_embeddings, extended by linear,
+    # dynamic and yarn scaling (rope_context_length), as vLLM derives its max_model_len.
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -39,6 +50,27 @@ class ModelArchConfig:
     # Mixtral-style MoE (0: a dense MLP): experts per layer, experts each token uses.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    # Qwen MoE (engine/models/qwen_moe.py): each expert's width (Mixtral: intermediate_size),
+    # the shared expert's (0: none), whether the top-k weights are renormalised, and the
+    # layers that keep a dense MLP of intermediate_size.
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layer_ids: tuple[int, ...] = ()
+    # The attention window the config turns on (None: none); not implemented, so startup
+    # keeps max_model_len within it.
+    sliding_window: int | None = None
+    # OLMo 2: RMSNorm after attention and after the MLP (before each residual add) instead
+    # of before them, and q/k each normalised over the whole projection, not per head.
+    post_norms: bool = False
+    scales: GraniteScales = GraniteScales()
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts > 0 and layer_id not in self.dense_layer_ids
 
     def __post_init__(self) -> None:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -58,11 +90,10 @@ class ModelArchConfig:
         family = SUPPORTED_ARCHITECTURES[arch]
         if d.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
+        families.refuse_unsupported(family, d)
+        moe = families.moe_facts(family, d)
         num_heads = d["num_attention_heads"]
-        # transformers 5 moved rope settings into rope_parameters.
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_theta, rope_scaling = read_rope(d)  # refuses rope types the engine cannot honour
         eos = d.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -74,14 +105,21 @@ class ModelArchConfig:
             num_key_value_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=dict(rope) if rope_type != "default" else None,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=rope_context_length(d.get("max_position_embeddings", 4096), rope_scaling),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", family == "qwen2"),
-            qk_norm=family == "qwen3",
+            attention_bias=families.qkv_bias(family, d),
+            qk_norm=family in ("qwen3", "qwen3_moe", "olmo2"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            num_experts=d.get("num_local_experts", 8) if family == "mixtral" else 0,
-            num_experts_per_tok=d.get("num_experts_per_tok", 2) if family == "mixtral" else 0,
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.num_experts_per_tok,
+            moe_intermediate_size=moe.moe_intermediate_size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+            norm_topk_prob=moe.norm_topk_prob,
+            dense_layer_ids=moe.dense_layer_ids,
+            sliding_window=families.sliding_window(family, d),
+            post_norms=family == "olmo2",
+            scales=families.granite_scales(family, d),
         )

@@ -1,7 +1,10 @@
 """One decoder for the Llama family (Llama 2/3, SmolLM2, Mistral), Qwen2 (qkv bias),
-Qwen3 (q/k norm) and Mixtral (a sparse MoE block in place of the MLP: models/mixtral.py).
-Tokens arrive flattened ([T]) from a varlen batch; attention goes through the paged KV
-cache. No distributed code here: parallelism is applied from outside.
+Qwen3 (q/k norm), Phi-3/Phi-4 (fused checkpoint tensors: engine/loader/hf_names.py),
+Granite (four multipliers: ModelArchConfig.scales), OLMo 2 (norms after attention and MLP:
+models/olmo2.py) and the MoE families: Mixtral (a sparse MoE block in place of the MLP:
+models/mixtral.py), Qwen2-MoE and Qwen3-MoE (models/qwen_moe.py). Every difference is a
+fact of ModelArchConfig. Tokens arrive flattened ([T]) from a varlen batch; attention goes
+through the paged KV cache. No distributed code here: parallelism is applied from outside.
 """
 
 from __future__ import annotations
@@ -14,65 +17,59 @@ from torch import nn
 
 from vllm_cluster.engine.errors import ModelLoadError
 from vllm_cluster.engine.layers.attention import Attention
-from vllm_cluster.engine.layers.linear import Linear
-from vllm_cluster.engine.layers.norm import RMSNorm, add_norm, project_add_norm
+from vllm_cluster.engine.layers.mlp import MLP
+from vllm_cluster.engine.layers.norm import RMSNorm, add_norm
 from vllm_cluster.engine.layers.rotary import Rope, RotaryEmbedding
-from vllm_cluster.engine.models import mixtral
+from vllm_cluster.engine.models import mixtral, olmo2, qwen_moe
 from vllm_cluster.engine.models.config import ModelArchConfig
+from vllm_cluster.engine.models.families import QWEN_MOE_FAMILIES
 from vllm_cluster.engine.models.kv_scales import kv_scale_targets, per_layer_scale
 from vllm_cluster.engine.quantization.base import is_quantized
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata
-from vllm_cluster.kernels.elementwise.dispatch import silu_and_mul
-from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
+from vllm_cluster.kernels.linear.add_norm import Normed
+
+__all__ = ["MLP", "CausalLM", "DecoderLayer", "DecoderModel"]
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+def make_mlp(config: ModelArchConfig, layer_id: int) -> nn.Module:
+    """Layer `layer_id`'s MLP: dense, or the family's MoE block."""
+    if not config.is_moe_layer(layer_id):
+        return MLP(config.hidden_size, config.intermediate_size, config.scales.residual_multiplier)
+    if config.family in QWEN_MOE_FAMILIES:
+        return qwen_moe.QwenMoeBlock(config)
+    return mixtral.SparseMoeBlock(
+        config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
+    )
 
-    def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
-        return self.down_proj(self.act(x))
 
-    def forward_add_norm(self, x: torch.Tensor | Normed, spec: AddNorm) -> tuple[torch.Tensor | Normed, torch.Tensor]:
-        """`spec.after(self(x))`, down_proj's GEMV doing the norm's first half where it can
-        (engine/layers/norm.py)."""
-        return project_add_norm(self.down_proj, self.act(x), spec)
+def make_attention(config: ModelArchConfig) -> Attention:
+    return Attention(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        qkv_bias=config.attention_bias,
+        qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+        scale=config.scales.attention_multiplier,
+        qk_norm_per_head=not config.post_norms,
+    )
 
-    @property
-    def takes_normed(self) -> bool:
-        """Whether x may be a kernels.Normed (gate_up_proj finishes it)."""
-        return bool(getattr(self.gate_up_proj, "takes_normed", False))
 
-    def act(self, x: torch.Tensor | Normed) -> torch.Tensor:
-        """silu(gate) * up. A gate_up layer with forward_silu_mul (dense, fp8, int8, INT4)
-        applies SiLU-and-mul inside its batch-1 GEMV; LoRA layers are followed by the separate
-        kernel."""
-        fused = getattr(self.gate_up_proj, "forward_silu_mul", None)
-        out: torch.Tensor = fused(x) if fused is not None else silu_and_mul(self.gate_up_proj(x))
-        return out
+def make_layer(config: ModelArchConfig, layer_id: int) -> nn.Module:
+    if config.post_norms:
+        mlp = make_mlp(config, layer_id)
+        assert isinstance(mlp, MLP), "OLMo 2 is dense"
+        return olmo2.PostNormDecoderLayer(make_attention(config), mlp, config.hidden_size, config.rms_norm_eps)
+    return DecoderLayer(config, layer_id)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = Attention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            qkv_bias=config.attention_bias,
-            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
-        )
-        self.mlp: nn.Module
-        if config.num_experts:
-            self.mlp = mixtral.SparseMoeBlock(
-                config.hidden_size, config.intermediate_size, config.num_experts, config.num_experts_per_tok
-            )
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = make_attention(config)
+        self.mlp = make_mlp(config, layer_id)
+        # Granite scales attention's output before the residual add (the MLP's: MLP.down_scale).
+        self.residual_multiplier = config.scales.residual_multiplier
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,6 +124,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
         """Attention of the normed x, o_proj, then post_attention_layernorm: (normed, residual)."""
         o = self.self_attn.attend(rope, x, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            o = o * self.residual_multiplier  # o_proj has no bias: its output scales alike
         return add_norm(self.self_attn.o_proj, o, residual, self.post_attention_layernorm, slot)
 
 
@@ -137,8 +136,15 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier = config.scales.embedding_multiplier
+        self.fuses_norms = not config.post_norms  # OLMo 2's layers have no input norm to fuse
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, D] (times Granite's embedding_multiplier)."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
     def forward(
         self,
@@ -149,11 +155,13 @@ class DecoderModel(nn.Module):
         after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """`after_layer(i)` runs once layer i has written its KV (the prefill role pushes it)."""
+        if not self.fuses_norms:
+            return self.forward_unfused(input_ids, positions, kv_caches, meta, after_layer)
         layers = cast(list[DecoderLayer], list(self.layers))
         # Each layer ends with the next one's input norm (the last with the final norm), so
         # that down_proj's GEMV can do half of it and qkv_proj's the rest (a batch-1 step on
         # CUDA: DecoderLayer.forward_normed). One zeroed fp64 slot per such norm.
-        first, residual = layers[0].input_layernorm(self.embed_tokens(input_ids), None)  # [T, D] each
+        first, residual = layers[0].input_layernorm(self.embed(input_ids), None)  # [T, D] each
         x: torch.Tensor | Normed = first
         slots = None
         if first.is_cuda and first.shape[0] == 1:
@@ -172,12 +180,31 @@ class DecoderModel(nn.Module):
         assert isinstance(x, torch.Tensor)  # the final norm (no slot) is never deferred
         return x
 
+    def forward_unfused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Each layer's own forward on (x, residual), as a pipeline stage runs them, then the
+        final norm."""
+        x, residual = self.embed(input_ids), None  # [T, D]
+        rope = self.rotary(positions)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
+        out, _ = self.norm(x, residual)
+        return out
+
 
 # The part of a fused layer a shard fills, as quantized layers number them.
 _SHARD_INDEX: dict[str | int, int] = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
 
 # HF checkpoint name -> (our parameter, shard): q/k/v and gate/up are fused here (and
-# Mixtral's experts stacked: mixtral.hf_target).
+# the MoE experts stacked: mixtral.hf_target, qwen_moe.hf_target).
 _STACKED: dict[str, tuple[str, str | int]] = {
     ".q_proj.": (".qkv_proj.", "q"),
     ".k_proj.": (".qkv_proj.", "k"),
@@ -213,7 +240,9 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, after_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        scaling = self.config.scales.logits_scaling  # Granite divides its logits
+        return logits if scaling == 1.0 else logits / scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises if one is missing, unknown or misshapen. Tensors of
@@ -271,7 +300,7 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def _target(name: str) -> tuple[str, str | int | mixtral.ExpertShard | None]:
-        moe = mixtral.hf_target(name)
+        moe = mixtral.hf_target(name) or qwen_moe.hf_target(name)
         if moe is not None:
             return moe
         for old, (new, shard) in _STACKED.items():
@@ -282,9 +311,10 @@ class CausalLM(nn.Module):
     def _shard(self, target: str, data: torch.Tensor, shard: str | int | mixtral.ExpertShard) -> torch.Tensor:
         c = self.config
         if isinstance(shard, tuple):
-            return mixtral.expert_slice(target, data, shard, c.intermediate_size)
-        if isinstance(shard, int):
-            return data.narrow(0, shard * c.intermediate_size, c.intermediate_size)
+            return mixtral.expert_slice(target, data, shard)
+        if isinstance(shard, int):  # gate or up: half of gate_up_proj (dense or shared-expert width)
+            half = data.shape[0] // 2
+            return data.narrow(0, shard * half, half)
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
         return data.narrow(0, offset, size)

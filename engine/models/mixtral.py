@@ -3,8 +3,9 @@ norms and rotary) with each MLP replaced by a `SparseMoeBlock`: a router, then t
 `num_experts` SwiGLU experts per token, their outputs weighted and summed.
 
 Routing follows HF Mixtral: softmax over the router logits in fp32, top-k, renormalised
-to sum to one. Experts are stored stacked (`w13_weight` [E, 2I, D] = [w1 | w3] per expert,
-`w2_weight` [E, D, I]), so a rank of expert parallelism keeps a contiguous slice of them
+to sum to one (Qwen's MoE blocks, engine/models/qwen_moe.py, reuse this block and
+renormalise only with norm_topk_prob). Experts are stored stacked (`w13_weight` [E, 2I, D]
+= [w1 | w3] per expert, `w2_weight` [E, D, I]), so a rank of expert parallelism keeps a contiguous slice of them
 (`keep_experts`) and the block then returns only its own experts' share of the output:
 the sum over ranks is the full output (engine/parallel/expert.py adds the all-reduce).
 No distributed code here.
@@ -34,19 +35,23 @@ DENSE_MAX_TOKENS_CUDA = 256
 _HF_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, K] fp32 summing to 1 per token, expert_ids [T, K])."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, K] fp32, expert_ids [T, K]): the top-k softmax
+    probabilities, renormalised to sum to 1 per token (Mixtral; Qwen's norm_topk_prob) or not."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, expert_ids = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), expert_ids
+    return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), expert_ids
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True
+    ) -> None:
         super().__init__()
         assert 0 < top_k <= num_experts, f"top_k {top_k} must be in 1..num_experts ({num_experts})"
         self.num_experts = num_experts
         self.top_k = top_k
+        self.renormalize = renormalize
         self.intermediate_size = intermediate_size
         self.expert_start = 0  # global id of w13_weight[0]; >0 on later expert-parallel ranks
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
@@ -67,7 +72,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> the local experts' weighted outputs summed per token, [T, D]."""
-        weights, expert_ids = route(self.gate(x), self.top_k)  # [T, K] each
+        weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
         if x.is_cuda and (x.shape[0] <= DENSE_MAX_TOKENS_CUDA or torch.cuda.is_current_stream_capturing()):
             return self.forward_dense(x, weights, expert_ids)
         return self.forward_grouped(x, weights, expert_ids)
@@ -127,11 +132,12 @@ def hf_target(name: str) -> tuple[str, ExpertShard | None] | None:
     return None
 
 
-def expert_slice(target: str, data: torch.Tensor, shard: ExpertShard, intermediate_size: int) -> torch.Tensor:
+def expert_slice(target: str, data: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
     """The view of stacked expert weights `data` that one HF expert tensor fills."""
     expert, part = shard
     if target.endswith(".w2_weight"):
         return data[expert]
+    intermediate_size = data.shape[1] // 2  # w13_weight: [E, 2I, D]
     return data[expert].narrow(0, part * intermediate_size, intermediate_size)
 
 

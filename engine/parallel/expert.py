@@ -1,5 +1,7 @@
-"""Expert parallelism, applied to a built Mixtral-style model from outside (the model file
-has no distributed code).
+"""Expert parallelism, applied to a built MoE model from outside (the model files have no
+distributed code). Every MoE family keeps its routed experts in a `SparseMoeBlock`
+(Mixtral's block itself; Qwen2-MoE and Qwen3-MoE wrap one: engine/models/qwen_moe.py), and
+that block is what is sharded; a Qwen2-MoE shared expert is an ordinary MLP beside it.
 
 Over ep_size ranks, each running the same model on the same batch:
   1. `shard_experts` keeps, in every MoE layer, only this rank's num_experts / ep_size

@@ -48,7 +48,7 @@ def run_stage(
     decoder = model.model
     residual: torch.Tensor | None
     if place.is_first_stage:
-        x, residual = decoder.embed_tokens(input_ids), None
+        x, residual = decoder.embed(input_ids), None
     else:
         assert received is not None
         x, residual = received[0], received[1]

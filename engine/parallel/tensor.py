@@ -6,8 +6,8 @@ Over the tp ranks of one pipeline stage, `apply_tp` keeps in place, on each rank
     one head they use, replicated, when tp exceeds the KV heads): qkv_proj keeps those
     output rows; o_proj becomes row-parallel (the matching input columns + all-reduce).
     The rank's KV cache then holds only its KV heads.
-  - MLP: 1/tp of the intermediate size: gate_up_proj keeps those rows of gate and of
-    up, down_proj becomes row-parallel.
+  - MLP (dense, or a MoE model's shared expert or dense layer): 1/tp of its intermediate
+    size: gate_up_proj keeps those rows of gate and of up, down_proj becomes row-parallel.
   - embedding and lm_head: a 1/tp block of the vocabulary (vocab-parallel embedding;
     logits gathered on the stage's first rank). Tied weights stay tied.
 Norms, rotary tables and q/k norms are per head or per hidden unit: replicated.
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from vllm_cluster.engine.layers.attention import Attention
+from vllm_cluster.engine.layers.mlp import MLP
 from vllm_cluster.engine.models import CausalLM
-from vllm_cluster.engine.models.llama import MLP
 from vllm_cluster.engine.parallel.groups import Group
 from vllm_cluster.engine.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from vllm_cluster.engine.parallel.topology import kv_heads_of, vocab_shard_size

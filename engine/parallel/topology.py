@@ -132,4 +132,8 @@ def _tp_problem(arch: ModelArchConfig, tp: int) -> str | None:
         )
     if arch.intermediate_size % tp:
         return f"it must divide intermediate_size ({arch.intermediate_size})"
+    if arch.shared_expert_intermediate_size % tp:
+        return f"it must divide shared_expert_intermediate_size ({arch.shared_expert_intermediate_size})"
+    if arch.post_norms and tp > 1:
+        return f"{arch.architecture} normalises q and k over all heads at once, which runs on one rank only"
     return None

@@ -87,3 +87,36 @@ def test_experts_the_ranks_cannot_share_evenly_are_refused() -> None:
     with pytest.raises(ConfigError, match=message):
         LLM("mixtral-tiny", load_format="dummy", hf_overrides={"num_local_experts": 6}, device="cpu",
             tensor_parallel_size=4, enable_expert_parallel=True)
+
+
+def test_qwen2_moe_expert_parallel_equals_hf(tmp_path: Path) -> None:
+    """Qwen2-MoE reuses Mixtral's experts: the routed experts split over the ranks, while
+    its shared expert and its dense layer (decoder_sparse_step 2) are tensor-parallel MLPs."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf_model = Qwen2MoeForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
+    hf_model.save_pretrained(str(tmp_path), safe_serialization=True)
+    hf_tokens = [hf_greedy(hf_model, p) for p in PROMPTS]
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_threads=1, num_blocks=64, block_size=4,
+              max_model_len=256, max_num_batched_tokens=16, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        blocks = moe_blocks(llm.core.model)
+        assert [(b.expert_start, b.num_local_experts) for b in blocks] == [(0, 2)]  # layer 1 only
+        layers = llm.core.model.model.layers
+        assert (layers[0].mlp.intermediate_size, layers[1].mlp.shared_expert.intermediate_size) == (64, 24)
+        assert _tokens(llm) == hf_tokens
+    finally:
+        llm.core.shutdown()
+        torch.set_num_threads(2)
