@@ -133,7 +133,7 @@ class Client:
         text: str | None = None,
         *,
         token_ids: list[int] | None = None,
-        chat: list[dict[str, str]] | None = None,
+        chat: list[dict[str, Any]] | None = None,
         model: str = "",
         request_id: str = "",
         deadline_s: float = 0.0,
@@ -141,6 +141,7 @@ class Client:
         tenant_salt: str = "",
         priority: int = 0,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         **sampling: Any,
     ) -> Stream:
         """Start a generation. The prompt is one of `text`, `token_ids` or `chat` (a list of
@@ -148,7 +149,10 @@ class Client:
         SamplingParams fields: max_tokens=64, temperature=0, stop=["\\n"], ...
         `request_id` ("": a fresh one) is what `abort` takes; the Stream carries it.
         `priority`: lower is served first by instances with scheduling_policy: priority.
-        `chat_template_kwargs`: extra variables of the chat template (e.g. enable_thinking)."""
+        `chat_template_kwargs`: extra variables of the chat template (e.g. enable_thinking).
+        `tools`: OpenAI's function tools, given to the chat template (an assistant message
+        may carry `tool_calls` and a tool message `tool_call_id`, as in OpenAI's API); the
+        calls the model writes come back as text."""
         if sum(p is not None for p in (text, token_ids, chat)) != 1:
             raise TypeError("give exactly one prompt: text, token_ids or chat")
         request = pb.GenerateRequest(
@@ -164,9 +168,11 @@ class Client:
         elif token_ids is not None:
             request.token_ids.ids.extend(token_ids)
         elif chat is not None:
-            request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+            request.chat.messages.extend(_chat_message(m) for m in chat)
             if chat_template_kwargs:
                 request.chat.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
+            if tools:
+                request.chat.tools_json = json.dumps(tools)
         call = self._stub.Generate(request, timeout=self._timeout(timeout_s), metadata=self._metadata)
         return Stream(call, request.request_id)
 
@@ -205,6 +211,14 @@ class Client:
 
     def _timeout(self, timeout_s: float | None) -> float | None:
         return self.timeout_s if timeout_s is None else timeout_s
+
+
+def _chat_message(message: dict[str, Any]) -> pb.ChatMessage:
+    msg = pb.ChatMessage(role=message["role"], content=message.get("content") or "",
+                         tool_call_id=message.get("tool_call_id") or "")
+    if message.get("tool_calls"):
+        msg.tool_calls_json = json.dumps(message["tool_calls"])
+    return msg
 
 
 def _sampling_params(fields: dict[str, Any]) -> pb.SamplingParams:

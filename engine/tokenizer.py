@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +38,19 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_templat
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None = None
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The chat's prompt token ids. `template_kwargs` (vLLM's chat_template_kwargs) are extra
     variables of the template render, e.g. Qwen3's enable_thinking; they may override
-    add_generation_prompt, as in vLLM."""
+    add_generation_prompt, as in vLLM. `tools`: the functions the model may call, in
+    OpenAI's shape, as HF templates read them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ModelLoadError("this model's tokenizer has no chat template; use generate() with a plain prompt")
     render = {"add_generation_prompt": True, **check_template_kwargs(template_kwargs or {})}
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, **render)
+    if tools is not None:
+        render["tools"] = tools
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, **render)
     # transformers 5 returns a BatchEncoding here, 4.x a list.
     if hasattr(ids, "input_ids") or isinstance(ids, dict):
         ids = ids["input_ids"]

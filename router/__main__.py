@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     serving = OpenAIServing(
         RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len,
-        config.reasoning_parser,
+        config.reasoning_parser, config.tool_call_parser, config.enable_auto_tool_choice,
     )
     draining = threading.Event()
     http = _start_http(config, args, serving, servicer, registry, api_key, draining)

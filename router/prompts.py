@@ -1,6 +1,6 @@
 """What the router makes of a client's prompt and sampling parameters before routing: the
 prompt's token ids (text through the tokenizer, a chat through the template with the
-client's chat_template_kwargs, or ids as sent), truncated to `truncate_prompt_tokens`, and
+client's chat_template_kwargs and tools, or ids as sent), truncated to `truncate_prompt_tokens`, and
 bad words turned into token ids. From here on only integers travel."""
 
 from __future__ import annotations
@@ -40,20 +40,44 @@ def prompt_token_ids(tokenizer: Any, msg: pb.GenerateRequest) -> list[int]:
     if kind == "text":
         return list(tokenizer.encode(msg.text))
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        messages = [template_message(m) for m in msg.chat.messages]
         if not messages:
             raise InvalidRequestError("the chat has no messages: send at least one")
-        return list(apply_chat_template(tokenizer, messages, template_kwargs(msg.chat)))
+        tools = _json(msg.chat.tools_json, list, "chat.tools_json") if msg.chat.tools_json else None
+        return list(apply_chat_template(tokenizer, messages, template_kwargs(msg.chat), tools))
     raise InvalidRequestError("the request has no prompt: set text, token_ids or chat")
+
+
+def template_message(m: pb.ChatMessage) -> dict[str, Any]:
+    """A chat message as templates read it: a tool call's arguments as an object (Qwen's and
+    Hermes' templates write them with `tojson`), as vLLM gives them."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        calls = _json(m.tool_calls_json, list, "tool_calls_json")
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise InvalidRequestError("tool_calls_json: each call needs function.name and function.arguments")
+            if isinstance(function.get("arguments"), str):
+                function["arguments"] = _json(function["arguments"] or "{}", dict, "a tool call's arguments")
+        message["tool_calls"] = calls
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def template_kwargs(chat: pb.ChatPrompt) -> dict[str, Any] | None:
     if not chat.chat_template_kwargs_json:
         return None
-    try:
-        kwargs = json.loads(chat.chat_template_kwargs_json)
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(f"chat_template_kwargs_json is not JSON: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise InvalidRequestError("chat_template_kwargs_json must be a JSON object")
+    kwargs: dict[str, Any] = _json(chat.chat_template_kwargs_json, dict, "chat_template_kwargs_json")
     return kwargs
+
+
+def _json(text: str, kind: type, where: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{where} is not JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise InvalidRequestError(f"{where} must be a JSON {'object' if kind is dict else 'array'}")
+    return value

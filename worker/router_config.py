@@ -17,6 +17,8 @@ from vllm_cluster.engine.tokenizer import chat_template_text
 FAILURE_POLICIES = ("recompute", "fail")
 # The routing policies router/policy.py implements (it checks that it implements exactly these).
 POLICIES = ("least_loaded", "round_robin", "power_of_two", "prefix_aware")
+# The tool-call parsers router/openai/tool_parsers.py implements (its tests check the two agree).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(slots=True)
@@ -34,6 +36,13 @@ class RouterConfig:
     # Reasoning parser for chat responses (vLLM's --reasoning-parser): "" (none), "deepseek_r1"
     # or "qwen3"; <think> text then goes to `reasoning_content`.
     reasoning_parser: str = ""
+    # Tool calling (vLLM's --tool-call-parser and --enable-auto-tool-choice): the parser that
+    # takes calls out of the model's text, "" (none), "hermes" (Qwen2.5/Qwen3: <tool_call>
+    # JSON) or "llama3_json" (Llama 3.x JSON); and whether requests may leave the choice to the
+    # model (tool_choice "auto", the default when tools are sent). "required" and a named
+    # function are enforced by structured output and need neither.
+    tool_call_parser: str = ""
+    enable_auto_tool_choice: bool = False
     # A request's line and headers must be whole this long after its first byte (or after the
     # connection opened), its body this long after the request began; else 408 and close.
     http_header_timeout_s: float = 10.0
@@ -89,6 +98,12 @@ class RouterConfig:
             chat_template_text(self.chat_template, "router.chat_template")
         if self.reasoning_parser not in ("", "deepseek_r1", "qwen3"):
             raise ConfigError(f"router.reasoning_parser {self.reasoning_parser!r}: give deepseek_r1, qwen3 or ''")
+        if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
+            raise ConfigError(f"router.tool_call_parser {self.tool_call_parser!r}: give "
+                              f"{' or '.join(TOOL_CALL_PARSERS)}, or '' for none")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("router.enable_auto_tool_choice needs router.tool_call_parser: set it to "
+                              f"{' or '.join(TOOL_CALL_PARSERS)} (the format your model writes its calls in)")
         if self.max_request_bytes < 1024:
             raise ConfigError("router.max_request_bytes must be >= 1024")
         if self.max_queued_requests < 0:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API at the router (FastAPI on uvicorn, in the router process).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize,
-/detokenize, /health, /metrics, /version. Every error is vLLM's envelope
+/detokenize, /health, /metrics, /version, and Anthropic's /v1/messages and
+/v1/messages/count_tokens (router/anthropic/, in Anthropic's error shape). Every error is vLLM's envelope
 `{"error": {"message", "type", "param", "code"}}` (errors.py); 429 and 503 carry Retry-After,
 405 carries Allow. Before a route runs, the guard (guard.py) checks the API key, bounds the
 body in size and time and sets X-Request-Id. /openapi.json documents every status a route
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
+from vllm_cluster.router.anthropic.messages import DIALECT, AnthropicServing, messages_routes
 from vllm_cluster.router.openai.errors import ApiError, error_response, invalid_body
 from vllm_cluster.router.openai.guard import Guard, with_header_timeout
 from vllm_cluster.router.openai.openapi import document, error_responses
@@ -138,8 +140,9 @@ def build_app(
         await serving.check_model(body.model)
         return serving.detokenize(body.tokens)
 
+    app.include_router(messages_routes(AnthropicServing(serving), _respond))
     document(app, _UNGUARDED_PATHS, api_key_required=bool(api_key))
-    return Guard(app, api_key, max_request_bytes, body_timeout_s, _UNGUARDED_PATHS)
+    return Guard(app, api_key, max_request_bytes, body_timeout_s, _UNGUARDED_PATHS, dialects=(DIALECT,))
 
 
 def _handle_errors(app: FastAPI) -> None:
@@ -156,7 +159,8 @@ def _handle_errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Response:
         # 404 (no such route) and 405 (wrong method, with its Allow header) come from here.
-        return error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
+        respond = DIALECT.respond if request.url.path.startswith(DIALECT.path_prefix) else error_response
+        return respond(ApiError(e.status_code, str(e.detail), headers=e.headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> Response:

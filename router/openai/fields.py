@@ -37,6 +37,7 @@ _STRUCTURED = FieldUse("elsewhere", "router/openai/structured_output.py")
 _TOKENIZER = _FIELDS_TEST + "test_tokenizer_options_reach_the_tokenizer"
 _TEMPLATE = _FIELDS_TEST + "test_chat_template_kwargs_reach_the_template"
 _PROMPT_LOGPROBS = FieldUse("elsewhere", "tests/integration/test_prompt_logprobs_serving.py")
+_TOOLS = "tests/integration/test_openai_tools.py::"
 _USER = FieldUse("no_effect", "OpenAI's end-user id, for the caller's own abuse tracking; vLLM ignores it too")
 
 # "Model.field", keyed by the model that declares the field (completions and chat share
@@ -95,6 +96,8 @@ REQUEST_FIELDS: dict[str, FieldUse] = {
     "ChatMessage.role": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatMessage.content": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatMessage.name": _served(_TOKENIZER),
+    "ChatMessage.tool_calls": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "ChatMessage.tool_call_id": _served(_TOOLS + "test_tool_results_go_through_the_template"),
     "ChatCompletionRequest.messages": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatCompletionRequest.max_tokens": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatCompletionRequest.max_completion_tokens": _served(
@@ -102,13 +105,22 @@ REQUEST_FIELDS: dict[str, FieldUse] = {
     ),
     "ChatCompletionRequest.logprobs": _served(_API + "test_chat_logprobs"),
     "ChatCompletionRequest.top_logprobs": _served(_API + "test_chat_logprobs"),
-    "ChatCompletionRequest.tools": _refused(_NOT_SERVED),
-    "ChatCompletionRequest.tool_choice": _refused(_NOT_SERVED),
+    "ChatCompletionRequest.tools": _served(_TOOLS + "test_required_calls_sampled_validate_against_the_parameters"),
+    "ChatCompletionRequest.tool_choice": _served(
+        _TOOLS + "test_required_calls_sampled_validate_against_the_parameters"
+    ),
+    "ChatCompletionRequest.parallel_tool_calls": _served(
+        _TOOLS + "test_required_calls_sampled_validate_against_the_parameters"
+    ),
     "ChatCompletionRequest.add_generation_prompt": _served(_TEMPLATE),
     "ChatCompletionRequest.chat_template_kwargs": _served(_TEMPLATE),
     "ResponsesInputMessage.role": _served(_API + "test_responses_api"),
     "ResponsesInputMessage.content": _served(_API + "test_responses_api"),
     "ResponsesInputMessage.type": _refused(_NOT_SERVED),
+    "ResponsesInputMessage.call_id": _served(_TOOLS + "test_responses_function_tools"),
+    "ResponsesInputMessage.name": _served(_TOOLS + "test_responses_function_tools"),
+    "ResponsesInputMessage.arguments": _served(_TOOLS + "test_responses_function_tools"),
+    "ResponsesInputMessage.output": _served(_TOOLS + "test_responses_function_tools"),
     "ResponsesRequest.model": _served(_API + "test_responses_api"),
     "ResponsesRequest.input": _served(_API + "test_responses_api"),
     "ResponsesRequest.instructions": _served(_FIELDS_TEST + "test_chat_and_responses_limits_and_instructions"),
@@ -117,7 +129,9 @@ REQUEST_FIELDS: dict[str, FieldUse] = {
     "ResponsesRequest.top_p": _served(_FIELDS_TEST + "test_chat_and_responses_limits_and_instructions"),
     "ResponsesRequest.stream": _served(_API + "test_responses_api"),
     "ResponsesRequest.user": _USER,
-    "ResponsesRequest.tools": _refused(_NOT_SERVED),
+    "ResponsesRequest.tools": _served(_TOOLS + "test_responses_function_tools"),
+    "ResponsesRequest.tool_choice": _served(_TOOLS + "test_responses_function_tools"),
+    "ResponsesRequest.parallel_tool_calls": _served(_TOOLS + "test_responses_function_tools"),
     "ResponsesRequest.previous_response_id": _refused(_NOT_SERVED),
     "TokenizeRequest.model": _served(_FIELDS_TEST + "test_tokenizer_routes_check_the_model"),
     "TokenizeRequest.prompt": _served(_FIELDS_TEST + "test_tokenizer_routes_check_the_model"),

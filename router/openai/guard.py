@@ -3,7 +3,9 @@ untouched).
 
 1. X-Request-Id: taken from the request (or made) and echoed on the response.
 2. The API key, on every route but the unguarded ones (/health): `Authorization: Bearer <key>`, the scheme in
-   any case (RFC 7235), the key exact and compared in constant time.
+   any case (RFC 7235), the key exact and compared in constant time. Routes of another API's
+   dialect (`Dialect`: the Anthropic routes) also take it in their own header and answer
+   every refusal in their own error shape.
 3. The body: more than `max_request_bytes` (declared or received) is a 413; a body not
    whole `body_timeout_s` after the request began is a 408. Either is answered at once with
    `Connection: close`, and the app is told the client has gone, so a slow or endless body
@@ -23,9 +25,12 @@ import asyncio
 import hashlib
 import hmac
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import h11
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -36,13 +41,28 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """The routes under `path_prefix` speak another API: the key may also come as the whole
+    value of `key_header` (`how_to_send_key` says so in a 401), and `respond` shapes their errors."""
+
+    path_prefix: str
+    key_header: bytes
+    how_to_send_key: str
+    respond: Callable[[ApiError], Response]
+
+
+_OPENAI = Dialect("/", b"authorization", "`Authorization: Bearer <key>`", error_response)
+
+
 class Guard:
     def __init__(
         self, app: ASGIApp, api_key: str, max_request_bytes: int, body_timeout_s: float,
-        unguarded_paths: tuple[str, ...],
+        unguarded_paths: tuple[str, ...], dialects: tuple[Dialect, ...] = (),
     ) -> None:
         self.app = app
         self._unguarded_paths = unguarded_paths
+        self._dialects = dialects
         self._key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
         self._max_bytes = max_request_bytes
         self._body_timeout_s = body_timeout_s
@@ -60,23 +80,32 @@ class Guard:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
-        if scope["path"] not in self._unguarded_paths and not self._authorized(headers.get(b"authorization", b"")):
-            refusal = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
-            await error_response(refusal)(scope, receive, send_with_id)
+        dialect = next((d for d in self._dialects if scope["path"].startswith(d.path_prefix)), _OPENAI)
+        if scope["path"] not in self._unguarded_paths and not self._authorized(headers, dialect):
+            refusal = ApiError(401, f"missing or wrong API key: send {dialect.how_to_send_key}")
+            await dialect.respond(refusal)(scope, receive, send_with_id)
             return
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self._max_bytes):
-            await _answer_and_close(self._too_large(), scope, send_with_id)
+            await _answer_and_close(dialect.respond(self._too_large()), scope, send_with_id)
             return
-        gate = _BodyGate(scope, receive, send_with_id, self._max_bytes, self._body_timeout_s, self._too_large())
+        gate = _BodyGate(
+            scope, receive, send_with_id, self._max_bytes, self._body_timeout_s, self._too_large(), dialect.respond
+        )
         await self.app(scope, gate.receive, gate.send)
 
-    def _authorized(self, header: bytes) -> bool:
+    def _authorized(self, headers: dict[bytes, bytes], dialect: Dialect) -> bool:
         if self._key_digest is None:
             return True
-        scheme, _, credentials = header.partition(b" ")
-        digest = hashlib.sha256(credentials.lstrip(b" ")).digest()  # equal lengths: constant time
-        return hmac.compare_digest(digest, self._key_digest) and scheme.lower() == b"bearer"
+        scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")
+        if self._key_matches(credentials.lstrip(b" ")) and scheme.lower() == b"bearer":
+            return True
+        return dialect is not _OPENAI and self._key_matches(headers.get(dialect.key_header, b""))
+
+    def _key_matches(self, key: bytes) -> bool:
+        assert self._key_digest is not None
+        digest = hashlib.sha256(key).digest()  # equal lengths: constant time
+        return hmac.compare_digest(digest, self._key_digest)
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"the request body is larger than {self._max_bytes} bytes; send a smaller one")
@@ -89,8 +118,10 @@ class _BodyGate:
 
     def __init__(
         self, scope: Scope, receive: Receive, send: Send, max_bytes: int, timeout_s: float, too_large: ApiError,
+        respond: Callable[[ApiError], Response],
     ) -> None:
         self._scope = scope
+        self._respond = respond
         self._receive = receive
         self._send = send
         self._max_bytes = max_bytes
@@ -130,13 +161,12 @@ class _BodyGate:
 
     async def _answer(self, e: ApiError) -> Message:
         self._answered = True
-        await _answer_and_close(e, self._scope, self._send)
+        await _answer_and_close(self._respond(e), self._scope, self._send)
         return {"type": "http.disconnect"}
 
 
-async def _answer_and_close(e: ApiError, scope: Scope, send: Send) -> None:
+async def _answer_and_close(response: Response, scope: Scope, send: Send) -> None:
     """Answer without reading the rest of the body, and close the connection after it."""
-    response = error_response(e)
     response.headers["Connection"] = "close"
 
     async def nothing_more() -> Message:

@@ -1,8 +1,9 @@
 """The OpenAPI document (/openapi.json) as the server really answers.
 
-Each route declares the errors it answers itself (`error_responses`), all with the error
-envelope's schema. `document` adds what the guard answers outside FastAPI's sight (401
-without the API key, 408 and 413 for a body too slow or too large) and drops FastAPI's
+Each route declares the errors it answers itself (`error_responses`), with the error
+envelope's schema (the Anthropic routes: Anthropic's error body). `document` adds what the
+guard answers outside FastAPI's sight (401 without the API key, 408 and 413 for a body too
+slow or too large, in the route's own error shape) and drops FastAPI's
 default 422, which this server never sends: a body that fails validation is a 400.
 """
 
@@ -47,8 +48,9 @@ def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: b
                     responses = operation["responses"]
                     responses.pop("422", None)
                     guarded = [401] if api_key_required and path not in unguarded_paths else []
+                    content = _own_error_content(responses)
                     for status in guarded + ([408, 413] if method in _BODY_METHODS else []):
-                        responses.setdefault(str(status), {"description": _WHEN[status], "content": _ENVELOPE})
+                        responses.setdefault(str(status), {"description": _WHEN[status], "content": content})
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             schemas.pop("HTTPValidationError", None)
             schemas.pop("ValidationError", None)
@@ -58,3 +60,10 @@ def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: b
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _own_error_content(responses: dict[str, Any]) -> dict[str, Any]:
+    """The error body a route documents for its own 4xx (the Anthropic routes have their own
+    shape, which the guard answers in too), else the envelope."""
+    return next((r["content"] for status, r in responses.items() if status.startswith("4") and "content" in r),
+                _ENVELOPE)

@@ -3,26 +3,32 @@
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
 stop_token_ids, repetition_penalty, ...). Unknown fields are ignored, as vLLM does. Every
 field a model declares is accounted for in REQUEST_FIELDS (router/openai/fields.py): it
-changes what the server does, or it is refused with a 400 naming it (tools, suffix,
-best_of, ...); a test walks the models against that table.
+changes what the server does, or it is refused with a 400 naming it (suffix, best_of,
+...); a test walks the models against that table.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.openai.errors import ApiError, bad_request, lone_surrogate
+from vllm_cluster.router.openai.sampling_checks import INT32 as _INT32
+from vllm_cluster.router.openai.sampling_checks import check_ranges, logits_fields
 from vllm_cluster.router.openai.structured_output import structured_outputs
+from vllm_cluster.router.openai.tools import (
+    ToolChoice,
+    from_responses_tool_choice,
+    from_responses_tools,
+    template_tool_calls,
+    tool_choice,
+)
 
 MAX_N = 64  # choices per request; each is its own sequence on a decode instance
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_LOGPROBS = 20
-_INT32 = 2**31
 
 
 class _Request(BaseModel):
@@ -61,17 +67,6 @@ class LoRAAdapterRequest(_Body):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
-
-
-# name: (is the value allowed?, what is allowed)
-_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
-    "temperature": (lambda v: v >= 0.0, ">= 0 (0 means greedy)"),
-    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
-    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
-    "repetition_penalty": (lambda v: 0.0 < v <= 2.0, "in (0, 2] (1 means none)"),
-}
 
 
 class _SamplingFields(_Body):
@@ -128,7 +123,7 @@ class _SamplingFields(_Body):
         self._refuse_unsupported()
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
-        self._check_ranges()
+        check_ranges(self)
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if max_tokens is not None and self.min_tokens > max_tokens:
@@ -155,7 +150,7 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             skip_special_tokens=self.skip_special_tokens,
         )
-        self._logits_fields(msg)
+        logits_fields(self, msg)
         constraint = structured_outputs(self)
         if constraint is not None:
             msg.structured_outputs.CopyFrom(constraint)
@@ -181,52 +176,6 @@ class _SamplingFields(_Body):
                 raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
             msg.prompt_logprobs = self.prompt_logprobs
         return msg
-
-    def _logits_fields(self, msg: pb.SamplingParams) -> None:
-        """logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens into `msg`; 400
-        naming the field. Token ids past the vocabulary are refused by the engine."""
-        for key, bias in (self.logit_bias or {}).items():
-            try:
-                token_id = int(key)
-            except ValueError:
-                token_id = -1
-            if not 0 <= token_id < _INT32:
-                raise bad_request(f"Found token_id `{key}` in logit_bias but token_id must be an integer or string "
-                                  "representing an integer", "logit_bias")
-            if not math.isfinite(bias):
-                raise bad_request(f"logit_bias values must be finite numbers, got {bias} for {key}", "logit_bias")
-            msg.logit_bias[token_id] = min(100.0, max(-100.0, bias))  # clamped, as OpenAI and vLLM do
-        if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids:
-                raise bad_request("allowed_token_ids is empty: give at least one token id", "allowed_token_ids")
-            if any(not 0 <= t < _INT32 for t in self.allowed_token_ids):
-                raise bad_request("allowed_token_ids must be token ids (0 <= id < 2**31)", "allowed_token_ids")
-            msg.allowed_token_ids.extend(self.allowed_token_ids)
-        if any(not w.strip() for w in self.bad_words or []):
-            raise bad_request("bad_words must be non-blank strings", "bad_words")
-        msg.bad_words.extend(self.bad_words or [])
-        k = self.truncate_prompt_tokens
-        if k is not None:
-            if k == 0 or not -1 <= k < _INT32:
-                raise bad_request(f"truncate_prompt_tokens must be >= 1, or -1 for max_model_len; got {k}",
-                                  "truncate_prompt_tokens")
-            msg.truncate_prompt_tokens = k
-        if not -_INT32 <= self.priority < _INT32:
-            raise bad_request(f"priority is out of range: {self.priority}", "priority")
-
-    def _check_ranges(self) -> None:
-        """The engine's ranges (engine/sampling_params.py), checked here too so that the
-        400 names the field."""
-        for name, (in_range, allowed) in _RANGES.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not math.isfinite(value):
-                raise bad_request(f"{name} must be a finite number, got {value}", name)
-            if not in_range(value):
-                raise bad_request(f"{name} must be {allowed}, got {value}", name)
-        if self.top_k is not None and self.top_k < -1:
-            raise bad_request(f"top_k must be -1 or 0 (no top-k) or a positive integer, got {self.top_k}", "top_k")
 
     @property
     def include_usage(self) -> bool:
@@ -282,12 +231,18 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # the participant's name, given to the chat template as vLLM does
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls (tools.py)
+    tool_call_id: str | None = None  # a tool message: the call whose result it holds
 
-    def template_message(self) -> dict[str, str]:
+    def template_message(self) -> dict[str, Any]:
         """The message as the chat template reads it."""
-        message = {"role": self.role, "content": self.text()}
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     def text(self) -> str:
@@ -313,15 +268,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     # vLLM's: extra variables of the chat template render (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> pb.SamplingParams:
-        if self.tools:
-            raise bad_request("tool calling is not supported by this server; drop tools", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool calling is not supported by this server; drop tool_choice", "tool_choice")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
                 f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}", "top_logprobs"
@@ -329,16 +281,47 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        constraint = self.tool_use().constraint()  # tool_choice required or named: enforced
+        if constraint is not None:
+            if params.HasField("structured_outputs"):
+                raise bad_request("tool_choice required or a named function constrains the output, and so does the "
+                                  "request's structured output: send only one of them", "tool_choice")
+            params.structured_outputs.CopyFrom(constraint)
+        return params
 
-    def chat(self) -> list[dict[str, str]]:
+    def tool_use(self) -> ToolChoice:
+        return tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def chat(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
 
 
 class ResponsesInputMessage(_Request):
-    role: str
-    content: str | list[ContentPart]
-    type: Literal["message"] | None = None
+    """An input item: a message, a function call the model made, or that call's output."""
+
+    type: Literal["message", "function_call", "function_call_output"] | None = None
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None  # a function_call's
+    arguments: str | None = None  # a function_call's, JSON text
+    output: str | None = None  # a function_call_output's
+
+    def chat_message(self) -> ChatMessage:
+        if self.type == "function_call":
+            if self.call_id is None or self.name is None:
+                raise bad_request("a function_call input item needs call_id, name and arguments", "input")
+            call = {"id": self.call_id, "type": "function",
+                    "function": {"name": self.name, "arguments": self.arguments or "{}"}}
+            return ChatMessage(role="assistant", tool_calls=[call])
+        if self.type == "function_call_output":
+            if self.call_id is None or self.output is None:
+                raise bad_request("a function_call_output input item needs call_id and output", "input")
+            return ChatMessage(role="tool", content=self.output, tool_call_id=self.call_id)
+        if self.role is None or self.content is None:
+            raise bad_request("a message input item needs role and content", "input")
+        return ChatMessage(role=self.role, content=self.content)
 
 
 class ResponsesRequest(_Body):
@@ -352,12 +335,12 @@ class ResponsesRequest(_Body):
     top_p: float | None = None
     stream: bool = False
     user: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools: {"type": "function", "name", "parameters"}
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
 
     def to_chat_request(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise bad_request("tools are not supported by this server; drop them", "tools")
         if self.previous_response_id:
             raise bad_request(
                 "previous_response_id is not supported: responses are not stored; send the whole input",
@@ -367,12 +350,13 @@ class ResponsesRequest(_Body):
         if isinstance(self.input, str):
             messages.append(ChatMessage(role="user", content=self.input))
         else:
-            messages += [ChatMessage(role=m.role, content=m.content) for m in self.input]
+            messages += [m.chat_message() for m in self.input]
         if not messages:
             raise bad_request("input is empty", "input")
         return ChatCompletionRequest(
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature, top_p=self.top_p,
+            temperature=self.temperature, top_p=self.top_p, tools=from_responses_tools(self.tools),
+            tool_choice=from_responses_tool_choice(self.tool_choice), parallel_tool_calls=self.parallel_tool_calls,
         )
 
 

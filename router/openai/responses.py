@@ -1,5 +1,11 @@
-"""The Responses API's shapes (/v1/responses): the response object, its message item, and
-the typed server-sent events a streamed response is made of, from a job's one choice."""
+"""The Responses API's shapes (/v1/responses): the response object, its output items (a
+message, and a `function_call` per tool call), and the typed server-sent events a streamed
+response is made of, from a job's one choice.
+
+Streamed, a request without tools opens its message item at once; with tools, each item
+opens when its first piece arrives (text: the message; a call: its function_call item,
+whose arguments follow as `response.function_call_arguments.delta` events), and all close
+at the end, in the order they opened. The final response holds the same items."""
 
 from __future__ import annotations
 
@@ -9,19 +15,18 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from vllm_cluster.router.openai.backend import Piece
+from vllm_cluster.router.openai.chat_output import ChatOutput
 from vllm_cluster.router.openai.protocol import ResponsesRequest
 
 if TYPE_CHECKING:
     from vllm_cluster.router.openai.serving import _Job as Job
 
 
-def response_object(job: Job, body: ResponsesRequest, status: str) -> dict[str, Any]:
+def response_object(job: Job, body: ResponsesRequest, status: str, items: list[dict[str, Any]] | None = None
+                    ) -> dict[str, Any]:
     c = job.choices[0]
-    output = []
-    if status != "in_progress":
-        output = [response_message(job, c.text, "completed")]
-        if c.finish_reason == "length":
-            status = "incomplete"
+    if status != "in_progress" and c.finish_reason == "length":
+        status = "incomplete"
     usage = None
     if c.usage is not None:
         usage = {
@@ -31,12 +36,26 @@ def response_object(job: Job, body: ResponsesRequest, status: str) -> dict[str, 
         }
     return {
         "id": job.id, "object": "response", "created_at": job.created, "status": status, "model": job.model,
-        "output": output, "usage": usage, "error": None,
+        "output": items or [], "usage": usage, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": False,
-        "tool_choice": "auto", "tools": [], "metadata": {}, "text": {"format": {"type": "text"}},
+        "temperature": body.temperature, "top_p": body.top_p,
+        "parallel_tool_calls": bool(body.tools) and body.parallel_tool_calls is not False,
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "metadata": {},
+        "text": {"format": {"type": "text"}},
     }
+
+
+def output_items(job: Job, message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat message (chat_output.ChatOutput.message) as output items."""
+    calls = message.get("tool_calls") or []
+    items = []
+    if message["content"] or not calls:
+        items.append(response_message(job, message["content"] or "", "completed"))
+    items += [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+              for c in calls]
+    return items
+
 
 def response_message(job: Job, text: str, status: str) -> dict[str, Any]:
     content = (
@@ -44,30 +63,90 @@ def response_message(job: Job, text: str, status: str) -> dict[str, Any]:
     )
     return {"id": f"msg_{job.id[5:]}", "type": "message", "role": "assistant", "status": status, "content": content}
 
-async def response_events(
-    job: Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None]
-) -> AsyncGenerator[str, None]:
-    seq = 0
 
-    def event(kind: str, **data: Any) -> str:
-        nonlocal seq
-        seq += 1
-        payload = json.dumps({"type": kind, "sequence_number": seq - 1, **data}, ensure_ascii=False)
+def function_call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": f"fc_{call_id.removeprefix('chatcmpl-tool-')}", "type": "function_call", "call_id": call_id,
+            "name": name, "arguments": arguments, "status": status}
+
+
+class _Events:
+    """The numbered events of one streamed response, and the items it has opened."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.message_index: int | None = None
+        self.text = ""
+        self.call_indexes: dict[int, int] = {}  # a call's index -> its item's output index
+
+    def event(self, kind: str, **data: Any) -> str:
+        self.seq += 1
+        payload = json.dumps({"type": kind, "sequence_number": self.seq - 1, **data}, ensure_ascii=False)
         return f"event: {kind}\ndata: {payload}\n\n"
 
-    item_id = f"msg_{job.id[5:]}"
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    yield event("response.created", response=response_object(job, body, "in_progress"))
-    yield event("response.in_progress", response=response_object(job, body, "in_progress"))
-    yield event("response.output_item.added", output_index=0, item=response_message(job, "", "in_progress"))
-    yield event("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": []})
+    def where(self) -> dict[str, Any]:
+        return {"item_id": f"msg_{self.job.id[5:]}", "output_index": self.message_index, "content_index": 0}
+
+    def open_message(self) -> list[str]:
+        self.message_index = len(self.items)
+        self.items.append(response_message(self.job, "", "in_progress"))
+        return [self.event("response.output_item.added", output_index=self.message_index, item=self.items[-1]),
+                self.event("response.content_part.added", **self.where(),
+                           part={"type": "output_text", "text": "", "annotations": []})]
+
+    def delta(self, delta: dict[str, Any]) -> list[str]:
+        events = []
+        if delta.get("content"):
+            if self.message_index is None:
+                events += self.open_message()
+            self.text += delta["content"]
+            events.append(self.event("response.output_text.delta", **self.where(), delta=delta["content"], logprobs=[]))
+        for call in delta.get("tool_calls", []):
+            if "id" in call:
+                self.call_indexes[call["index"]] = len(self.items)
+                self.items.append(function_call_item(call["id"], call["function"]["name"], "", "in_progress"))
+                events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                         item=dict(self.items[-1])))
+            k, arguments = self.call_indexes[call["index"]], call["function"]["arguments"]
+            if arguments:
+                self.items[k]["arguments"] += arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=self.items[k]["id"],
+                                         output_index=k, delta=arguments))
+        return events
+
+    def close(self) -> list[str]:
+        events = []
+        for k, item in enumerate(self.items):
+            if item["type"] == "message":
+                part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+                events += [self.event("response.output_text.done", **self.where(), text=self.text, logprobs=[]),
+                           self.event("response.content_part.done", **self.where(), part=part)]
+                self.items[k] = response_message(self.job, self.text, "completed")
+            else:
+                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                         output_index=k, arguments=item["arguments"]))
+                item["status"] = "completed"
+            events.append(self.event("response.output_item.done", output_index=k, item=self.items[k]))
+        return events
+
+
+async def response_events(
+    job: Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None], output: ChatOutput
+) -> AsyncGenerator[str, None]:
+    events = _Events(job)
+    yield events.event("response.created", response=response_object(job, body, "in_progress"))
+    yield events.event("response.in_progress", response=response_object(job, body, "in_progress"))
+    if not output.has_tools:
+        for e in events.open_message():
+            yield e
     async with aclosing(pieces):
         async for piece in pieces:
-            if piece.response.text:
-                yield event("response.output_text.delta", **where, delta=piece.response.text, logprobs=[])
-    text = job.choices[0].text
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    yield event("response.output_text.done", **where, text=text, logprobs=[])
-    yield event("response.content_part.done", **where, part=part)
-    yield event("response.output_item.done", output_index=0, item=response_message(job, text, "completed"))
-    yield event("response.completed", response=response_object(job, body, "completed"))
+            for e in events.delta(output.delta(piece.response.text, bool(piece.response.finish_reason))):
+                yield e
+    if not events.items:
+        for e in events.open_message():
+            yield e
+    for e in events.close():
+        yield e
+    yield events.event("response.completed", response=response_object(job, body, "completed", events.items))

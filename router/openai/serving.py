@@ -21,6 +21,7 @@ from vllm_cluster.engine.sampling_params import truncate_prompt
 from vllm_cluster.engine.tokenizer import apply_chat_template
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.openai.backend import Piece, RouterBackend
+from vllm_cluster.router.openai.chat_output import ChatOutput
 from vllm_cluster.router.openai.echo import completion_piece, prompt_texts
 from vllm_cluster.router.openai.errors import ApiError, bad_request, error_body
 from vllm_cluster.router.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -30,8 +31,8 @@ from vllm_cluster.router.openai.protocol import (
     ResponsesRequest,
     _SamplingFields,
 )
-from vllm_cluster.router.openai.reasoning import ReasoningSplitter, split_reasoning
-from vllm_cluster.router.openai.responses import response_events, response_object
+from vllm_cluster.router.openai.responses import output_items, response_events, response_object
+from vllm_cluster.router.openai.tool_parsers import ToolParser
 
 _MAX_SEQUENCES = 256  # Generate calls one HTTP request may fan out to (prompts x n)
 
@@ -80,13 +81,16 @@ class _Job:
 
 class OpenAIServing:
     def __init__(
-        self, backend: RouterBackend, tokenizer: Any, model_name: str, max_model_len: int, reasoning_parser: str = ""
+        self, backend: RouterBackend, tokenizer: Any, model_name: str, max_model_len: int, reasoning_parser: str = "",
+        tool_call_parser: str = "", enable_auto_tool_choice: bool = False,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.reasoning_parser = reasoning_parser  # "": none; else one of reasoning.PARSERS
+        self.tool_call_parser = tool_call_parser  # "": none; else one of tool_parsers.TOOL_CALL_PARSERS
+        self.enable_auto_tool_choice = enable_auto_tool_choice  # tool_choice auto allowed
 
     # ---- completions
 
@@ -137,44 +141,45 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any] | AsyncIterator[str]:
         params = body.to_sampling_params()
-        prompt = self._encode_chat(body.chat(), body.add_generation_prompt, body.chat_template_kwargs)
+        tools = body.tool_use()
+        parser = tools.parser(self.tool_call_parser, self.enable_auto_tool_choice)
+        prompt = self._encode_chat(body.chat(), body.add_generation_prompt, body.chat_template_kwargs,
+                                   tools.template_tools)
         job = self._job(f"chatcmpl-{request_id}", body, [prompt], params)
         if body.stream:
-            return await self._start_stream(job, lambda pieces: self._chat_chunks(job, body, pieces))
+            return await self._start_stream(job, lambda pieces: self._chat_chunks(job, body, pieces, parser))
         await self._collect(job)
-        response = {
-            "id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
-            "choices": [
-                {"index": c.index, "message": self._chat_message(c.text),
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                 "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if body.logprobs else None}
-                for c in job.choices
-            ],
-            "usage": self._usage(job),
-        }
+        choices = []
+        for c in job.choices:
+            output = self.chat_output(parser, tools.parallel)
+            message = output.message(c.text)  # before finish_reason: whether calls were made
+            choices.append({"index": c.index, "message": message,
+                            "finish_reason": output.finish_reason(c.finish_reason), "stop_reason": c.stop_reason,
+                            "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if body.logprobs else None})
+        response = {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
+                    "choices": choices, "usage": self._usage(job)}
         if body.prompt_logprobs is not None:  # vLLM's extra: one prompt, on the response
             response["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt, job.choices[0].prompt_logprobs)
         return response
 
-    def _chat_message(self, text: str) -> dict[str, Any]:
-        if not self.reasoning_parser:
-            return {"role": "assistant", "content": text}
-        reasoning, content = split_reasoning(self.reasoning_parser, text)
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    def chat_output(self, parser: ToolParser | None, parallel_tool_calls: bool = True) -> ChatOutput:
+        """One choice's message or deltas, through this server's reasoning parser and `parser`."""
+        return ChatOutput(self.reasoning_parser, parser, parallel_tool_calls)
 
     async def _chat_chunks(
-        self, job: _Job, body: ChatCompletionRequest, pieces: AsyncGenerator[Piece, None]
+        self, job: _Job, body: ChatCompletionRequest, pieces: AsyncGenerator[Piece, None], parser: ToolParser | None
     ) -> AsyncGenerator[str, None]:
         started = [False] * len(job.choices)
-        splitters = [ReasoningSplitter(self.reasoning_parser) if self.reasoning_parser else None for _ in job.choices]
+        outputs = [self.chat_output(parser, body.parallel_tool_calls is not False) for _ in job.choices]
         async with aclosing(pieces):
             async for piece in pieces:
-                r = piece.response
-                delta = _chat_delta(splitters[piece.index], r.text, bool(r.finish_reason))
+                r, output = piece.response, outputs[piece.index]
+                delta = output.delta(r.text, bool(r.finish_reason))
                 if not started[piece.index]:
                     started[piece.index] = True
                     delta["role"] = "assistant"
-                choice = {"index": piece.index, "delta": delta, "finish_reason": r.finish_reason or None,
+                finish_reason = output.finish_reason(r.finish_reason or None)
+                choice = {"index": piece.index, "delta": delta, "finish_reason": finish_reason,
                           "logprobs": chat_logprobs(self.tokenizer, list(r.logprobs)) if body.logprobs else None}
                 if r.finish_reason:
                     choice["stop_reason"] = r.stop_reason or None
@@ -188,18 +193,21 @@ class OpenAIServing:
     async def responses(self, body: ResponsesRequest, request_id: str) -> dict[str, Any] | AsyncIterator[str]:
         chat = body.to_chat_request()
         params = chat.to_sampling_params()
-        prompt = self._encode_chat(chat.chat(), True)
+        tools = chat.tool_use()
+        parser = tools.parser(self.tool_call_parser, self.enable_auto_tool_choice)
+        prompt = self._encode_chat(chat.chat(), True, None, tools.template_tools)
         job = self._job(f"resp_{request_id}", chat, [prompt], params)
+        output = ChatOutput("", parser, tools.parallel)  # reasoning stays in the text, as before tools
         if body.stream:
             return await self._start_stream(
-                job, lambda pieces: response_events(job, body, pieces), done_marker=False
+                job, lambda pieces: response_events(job, body, pieces, output), done_marker=False
             )
         await self._collect(job)
-        return response_object(job, body, "completed")
+        return response_object(job, body, "completed", output_items(job, output.message(job.choices[0].text)))
 
     # ---- tokenizer routes
 
-    def tokenize(self, prompt: str | None, messages: list[dict[str, str]] | None, add_special_tokens: bool,
+    def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool,
                  add_generation_prompt: bool) -> dict[str, Any]:
         if (prompt is None) == (messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
@@ -238,9 +246,11 @@ class OpenAIServing:
         return list(self._need_tokenizer().encode(prompt))
 
     def _encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """`template_kwargs`: chat_template_kwargs, which may override add_generation_prompt (as in vLLM)."""
+        """`template_kwargs`: chat_template_kwargs, which may override add_generation_prompt (as in vLLM).
+        `tools`: the functions offered, as the template reads them."""
         tokenizer = self._need_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
@@ -248,7 +258,7 @@ class OpenAIServing:
             raise bad_request("messages is empty: send at least one message", "messages")
         try:
             return apply_chat_template(
-                tokenizer, messages, {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+                tokenizer, messages, {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}, tools
             )
         except InvalidRequestError as e:
             raise bad_request(str(e), "chat_template_kwargs") from None
@@ -370,19 +380,3 @@ async def _stream(events: AsyncGenerator[str, None], done_marker: bool) -> Async
     if done_marker:
         yield "data: [DONE]\n\n"
 
-
-def _chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, Any]:
-    """A streamed chat delta: the text as content, or split by the reasoning parser (its
-    held-back tail sent with the last piece)."""
-    if splitter is None:
-        return {"content": text}
-    reasoning, content = splitter.feed(text)
-    if last:
-        more_reasoning, more_content = splitter.flush()
-        reasoning, content = reasoning + more_reasoning, content + more_content
-    delta: dict[str, Any] = {}
-    if reasoning:
-        delta["reasoning_content"] = reasoning
-    if content or not reasoning:
-        delta["content"] = content
-    return delta

@@ -214,7 +214,8 @@ def test_openapi_document_agrees_with_the_server(cluster: LocalCluster) -> None:
             for code, response in responses.items():
                 if code.startswith(("4", "5")) and path != "/health":
                     schema = response["content"]["application/json"]["schema"]
-                    assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (path, method, code)
+                    body = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
+                    assert schema == {"$ref": f"#/components/schemas/{body}"}, (path, method, code)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         assert {"404", "429", "503"} <= set(paths[path]["post"]["responses"]), path
 

@@ -86,11 +86,6 @@ def test_served_and_refused_fields_are_read_and_named_by_a_test_that_exists() ->
 _REFUSED_VALUES: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
     "_SamplingFields.best_of": (protocol.CompletionRequest, {"prompt": "x", "best_of": 2}),
     "CompletionRequest.suffix": (protocol.CompletionRequest, {"prompt": "x", "suffix": "y"}),
-    "ChatCompletionRequest.tools": (protocol.ChatCompletionRequest, {"messages": [{"role": "user"}], "tools": [{}]}),
-    "ChatCompletionRequest.tool_choice": (
-        protocol.ChatCompletionRequest, {"messages": [{"role": "user"}], "tool_choice": "required"}
-    ),
-    "ResponsesRequest.tools": (protocol.ResponsesRequest, {"input": "x", "tools": [{}]}),
     "ResponsesRequest.previous_response_id": (protocol.ResponsesRequest, {"input": "x", "previous_response_id": "r"}),
 }
 

@@ -1,0 +1,110 @@
+"""The Anthropic Messages request bodies we accept (translate.py turns them into a chat
+completion request). Unknown fields are ignored, as they are on the OpenAI routes; a
+content block's fields are read according to its `type`, and a type this server cannot
+serve (images, documents, server tools) is a 400 naming the block."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm_cluster.router.openai.errors import ApiError, lone_surrogate
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Body(_Model):
+    """A whole request body: well-formed Unicode text only (a lone surrogate, which JSON's
+    `\\ud800` escape decodes to, can be neither tokenized nor answered), refused naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed_text(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            where, text, index = found
+            raise ApiError(
+                400, f"{where or 'a field name'} is not valid UTF-8 text: it holds a lone surrogate "
+                f"(U+{ord(text[index]):04X}) at character {index}; send well-formed Unicode", where or None,
+            )
+        return data
+
+
+class ContentBlockParam(_Model):
+    """One block of a message: `text` (text), `tool_use` (id, name, input: an assistant's
+    call), `tool_result` (tool_use_id, content, is_error: the user's answer to a call),
+    `thinking` / `redacted_thinking` (an earlier turn's reasoning, not shown to the model again)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlockParam] | None = None
+    is_error: bool | None = None
+
+
+class MessageParam(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlockParam]
+
+
+class ToolParam(_Model):
+    """A client tool: its `input_schema` (JSON Schema) is what the call's input must match."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None  # required of client tools (translate.py says so)
+    type: str | None = None  # "custom" or absent; Anthropic's server tools are refused
+
+
+class ToolChoiceParam(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool": the tool to call
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingParam(_Model):
+    """Any type but `disabled` turns thinking on."""
+
+    type: Literal["enabled", "adaptive", "between_tools", "disabled"]
+    budget_tokens: int | None = None  # accepted; the reasoning is bounded by max_tokens only
+
+
+class OutputFormatParam(_Model):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfigParam(_Model):
+    """`format`: the answer is JSON matching its schema (structured output). `effort`: no effect."""
+
+    format: OutputFormatParam | None = None
+    effort: str | None = None
+
+
+class CountTokensRequest(_Body):
+    """What /v1/messages/count_tokens reads: the prompt, as the chat template renders it."""
+
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[ContentBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None  # vLLM's extra: reproducible sampling
+    stream: bool = False
+    output_config: OutputConfigParam | None = None
+    metadata: dict[str, Any] | None = None  # Anthropic's user_id, for the caller's tracking: no effect
