@@ -63,7 +63,9 @@ class EngineCore:
         self.vocab_size, self.eos_token_id = parts.arch.vocab_size, parts.arch.eos_token_id
         self.max_model_len = parts.max_model_len
         block_size = config.cache.block_size
-        self.kv = KVCacheManager(parts.num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            parts.num_blocks, block_size, config.cache.enable_prefix_caching, parts.kv_release_window
+        )
         use_async = parts.async_scheduling
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv, async_scheduling=use_async)
         self.lora: LoRAManager | None = None

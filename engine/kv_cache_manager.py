@@ -2,6 +2,16 @@
 
 Protocol per request: `get_computed_blocks` once (when first scheduled), then
 `allocate_slots` every step it is scheduled, then `free` when it finishes or is preempted.
+
+Sliding window (`sliding_window` set: every layer attends within that many tokens, and the
+engine's role lets blocks go early): a query at position p reads only keys after p - W, so
+once a request's next token to compute is at position C, its blocks wholly before C - W + 1
+are released (to the free list, still cached if they were) and a new request never takes
+the cached-prefix blocks its first chunk cannot see. Such a block's id stays in the request's
+table, stale: attention masks those positions and never reads them through the table. A
+released block is never cached under the request's hashes afterwards, and prefix hits stay
+contiguous from the first block (`get_computed_blocks`), so a hit never spans a block that
+was released and reused.
 """
 
 from __future__ import annotations
@@ -23,13 +33,28 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
+        assert sliding_window is None or sliding_window >= 1
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.block_tables: dict[RequestId, list[BlockId]] = {}
         self._num_cached_blocks: dict[RequestId, int] = {}
+        self._num_released_blocks: dict[RequestId, int] = {}  # leading table entries not held
         self.prefix_stats = PrefixCacheStats()
+
+    def num_blocks_outside_window(self, first_position: int) -> int:
+        """Leading blocks no query at `first_position` or later can read (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_position - self.sliding_window + 1) // self.block_size
+
+    def num_held_blocks(self, request_id: RequestId) -> int:
+        """Blocks the request holds a reference on (its table less the released entries)."""
+        return len(self.block_tables.get(request_id, ())) - self._num_released_blocks.get(request_id, 0)
 
     @property
     def usage(self) -> float:
@@ -68,6 +93,8 @@ class KVCacheManager:
         `cache=False` leaves the new full blocks out of the prefix cache for now: a decode
         reservation's blocks hold nothing until the prefill's KV lands in them."""
         table = self.block_tables.get(request.request_id)
+        if table:
+            self._release_outside_window(request, table)
         if table and not new_computed_blocks:  # a running request: often no new block at all
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens <= len(table) * self.block_size:
@@ -79,13 +106,20 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(table) - len(new_computed_blocks)
+        # A new request leaves the cached blocks before its first chunk's window untaken.
+        num_skipped = 0
+        if not table:
+            num_skipped = min(self.num_blocks_outside_window(num_computed), len(new_computed_blocks))
+        taken = new_computed_blocks[num_skipped:]
         # Cached blocks on the free list stop being free once this request takes them.
-        num_revived = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        num_revived = sum(1 for b in taken if self.pool.blocks[b].ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             if not table:
                 del self.block_tables[request.request_id]
             return False
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(taken)
+        if num_skipped:
+            self._num_released_blocks[request.request_id] = num_skipped
         table.extend(new_computed_blocks)
         if num_new_blocks > 0:
             table.extend(self.pool.allocate(num_new_blocks))
@@ -96,7 +130,9 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        start = self._num_cached_blocks.get(request.request_id, 0)
+        # A released block may hold another request's tokens by now: never cache it here.
+        request_id = request.request_id
+        start = max(self._num_cached_blocks.get(request_id, 0), self._num_released_blocks.get(request_id, 0))
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         if end <= start:
             return
@@ -104,11 +140,22 @@ class KVCacheManager:
         self.pool.cache_blocks(table[start:end], request.block_hashes[start:end])
         self._num_cached_blocks[request.request_id] = end
 
+    def _release_outside_window(self, request: Request, table: list[BlockId]) -> None:
+        """Drop the blocks that no query from the request's next token on can read. (Async
+        scheduling counts the step in flight as computed: that step may still read a block
+        dropped here, but a new owner writes it only in a later step, which runs after it.)"""
+        start = self._num_released_blocks.get(request.request_id, 0)
+        end = min(self.num_blocks_outside_window(request.num_computed_tokens), len(table))
+        if end > start:
+            self.pool.free(reversed(table[start:end]))
+            self._num_released_blocks[request.request_id] = end
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix outlives its suffix."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(reversed(table))
+        num_released = self._num_released_blocks.pop(request.request_id, 0)
+        self.pool.free(reversed(table[num_released:]))
 
     def get_block_table(self, request_id: RequestId) -> list[BlockId]:
         return self.block_tables[request_id]

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.engine.executor import Executor, LocalExecutor
+from vllm_cluster.engine.layers.attention import sliding_window_of_every_layer
 from vllm_cluster.engine.loader import ModelSource, load_model, resolve
 from vllm_cluster.engine.memory import activation_bytes, kv_cache_bytes
 from vllm_cluster.engine.models import CausalLM, ModelArchConfig
@@ -49,6 +50,27 @@ class EngineParts:
     executor: Executor  # its KV cache not yet allocated
     num_blocks: int
     async_scheduling: bool
+    # Where every layer slides (engine/kv_cache_manager.py), the window past which a colocated
+    # engine releases KV blocks; None for a global layer, and for the prefill and decode roles,
+    # whose blocks are handed off whole (engine/kv_push.py, Scheduler.reserve).
+    kv_release_window: int | None = None
+
+
+# Families whose config slides only some layers (max_window_layers, layer_types), a
+# pattern the decoder does not build: they run only where the window changes nothing.
+_LAYER_PATTERN_WINDOW_FAMILIES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def _check_sliding_window(arch: ModelArchConfig, max_len: int) -> None:
+    """Every layer of Mistral, Mixtral and Phi-3 attends within the window (engine/layers/attention.py);
+    the Qwen families' per-layer windows are refused past the window."""
+    window = arch.sliding_window
+    if window is not None and max_len > window and arch.family in _LAYER_PATTERN_WINDOW_FAMILIES:
+        raise ConfigError(
+            f"{arch.architecture} attends within a sliding window of {window} tokens in some layers "
+            f"(config.json use_sliding_window, max_window_layers), which the engine does not implement "
+            f"for this family: set max_model_len <= {window}, within which the window changes nothing"
+        )
 
 
 def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineParts:
@@ -63,12 +85,7 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
     arch = model.config if model is not None else ModelArchConfig.from_hf_dict(source.hf_config)
     _check_split(config, source, arch)
     max_len = max_model_len(config, arch.max_position_embeddings)
-    if arch.sliding_window is not None and max_len > arch.sliding_window:
-        raise ConfigError(
-            f"{arch.architecture} attends within a sliding window of {arch.sliding_window} tokens "
-            f"(config.json sliding_window), which the engine does not implement: set max_model_len "
-            f"<= {arch.sliding_window}, within which the window changes nothing"
-        )
+    _check_sliding_window(arch, max_len)
     _, max_num_batched_tokens = config.scheduler.batch_limits()
     if not config.scheduler.enable_chunked_prefill and max_num_batched_tokens < max_len:
         raise ConfigError(
@@ -84,9 +101,13 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
         executor.shutdown()
         raise
     use_async = use_async_scheduling(config, device)
+    release_window = None
+    if config.role == EngineRole.COLOCATED:
+        release_window = sliding_window_of_every_layer(model, arch.num_hidden_layers)
     return EngineParts(
-        config, source, arch, device, dtype, kv_cache_dtype, max_len, model, executor, num_blocks, use_async
-    )
+        config, source, arch, device, dtype, kv_cache_dtype, max_len, model, executor, num_blocks, use_async,
+        release_window,
+    )  # fmt: skip
 
 
 def _check_split(config: EngineConfig, source: ModelSource, arch: ModelArchConfig) -> None:

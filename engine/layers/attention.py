@@ -3,7 +3,11 @@
 k_scale / v_scale: what an fp8 KV cache divides K and V by (kernels/attention/fp8_kv.py), one fp32
 value each per layer, from the checkpoint (engine/models/kv_scales.py) or 1.0. Buffers of
 shape [1] on the model's device, so CUDA graphs read them by address; a cache of the
-model's dtype ignores them."""
+model's dtype ignores them.
+
+sliding_window: this layer's window W, or None for global attention: the query at position p
+attends only to the keys at p - W < k <= p (W tokens, itself included, as transformers'
+Mistral and Gemma do). A model may give each layer its own (Gemma 2/3 alternate)."""
 
 from __future__ import annotations
 
@@ -32,8 +36,11 @@ class Attention(nn.Module):
         qk_norm_eps: float | None,
         scale: float | None = None,
         qk_norm_per_head: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window}"
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -79,7 +86,8 @@ class Attention(nn.Module):
         # Rotate q and k, write k and v into the cache, attend. On CUDA a prefill rotates and
         # writes in one launch; decode attention rotates and writes the new token itself.
         o = rotary_paged_attention(
-            q, k, v, rope.cos, rope.sin, kv_cache, meta, self.scale, self.k_scale, self.v_scale
+            q, k, v, rope.cos, rope.sin, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
+            self.sliding_window,
         )  # [T, Hq, D]
         return o.reshape(-1, self.q_size)
 
@@ -87,3 +95,13 @@ class Attention(nn.Module):
 def kv_scales(model: nn.Module) -> list[torch.Tensor]:
     """Every attention layer's k_scale and v_scale, in layer order."""
     return [scale for m in model.modules() if isinstance(m, Attention) for scale in (m.k_scale, m.v_scale)]
+
+
+def sliding_window_of_every_layer(model: nn.Module, num_layers: int) -> int | None:
+    """The widest window when each of the model's `num_layers` attention layers has one; None
+    when any attends globally (or this shard holds fewer layers): then no KV position ever
+    stops being read."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    if len(windows) != num_layers or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)

@@ -152,6 +152,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, se
 
 def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """The model with its weights allocated but not filled (parallel ranks receive them)."""
+    if device.type == "cuda" and arch.gemma is not None and arch.gemma.attn_logit_softcapping is not None:
+        raise ModelLoadError(
+            f"{arch.architecture}: attn_logit_softcapping ({arch.gemma.attn_logit_softcapping}) has no CUDA "
+            "attention kernel yet: run this model with device: cpu"
+        )
     with torch.device("meta"):
         model = CausalLM(arch)
     # Cast on meta, then allocate: an fp32 copy of a large model (Mixtral 8x7B) would not fit.
@@ -164,12 +169,10 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device)
 
 def _rebuild_buffers(model: CausalLM, arch: ModelArchConfig, device: torch.device) -> None:
     from vllm_cluster.engine.layers.attention import Attention
-    from vllm_cluster.engine.layers.rotary import RotaryEmbedding
+    from vllm_cluster.engine.models.gemma import make_rotary
 
     with torch.device(device):
-        model.model.rotary = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
-        )
+        model.model.rotary = make_rotary(arch)
     for module in model.modules():
         if isinstance(module, Attention):  # KV cache scales: fp32 1.0 until a checkpoint sets them
             module.k_scale = torch.ones(1, dtype=torch.float32, device=device)
@@ -204,8 +207,8 @@ def _init_dummy(model: CausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         if name.rpartition(".")[0] in quantized:
             continue
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
+        if name.endswith("norm.weight"):  # a scale of 1 (Gemma's norms store it minus one)
+            param.data.fill_(0.0 if model.config.gemma is not None else 1.0)
         else:
             values = torch.randn(param.shape, generator=generator, device=device) * 0.02
             param.data.copy_(values.to(param.dtype))

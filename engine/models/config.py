@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm_cluster.engine.errors import ModelLoadError
 from vllm_cluster.engine.models import families
-from vllm_cluster.engine.models.families import GraniteScales
+from vllm_cluster.engine.models.families import GEMMA_FAMILIES, GemmaFacts, GraniteScales
 from vllm_cluster.engine.models.rope_parameters import read_rope, rope_context_length
 
 # The architectures one shared decoder implements, and what each adds.
@@ -22,6 +22,13 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+# Architectures refused with a reason (the generic message lists the supported ones).
+_REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (text and images) is not supported; for "
+    "text only, serve a Gemma3ForCausalLM checkpoint (such as gemma-3-1b) or one converted to it",
 }
 
 
@@ -57,13 +64,16 @@ class ModelArchConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layer_ids: tuple[int, ...] = ()
-    # The attention window the config turns on (None: none); not implemented, so startup
-    # keeps max_model_len within it.
+    # The attention window the config turns on (None: none), given to every layer's
+    # Attention; the Qwen families slide only some layers, so startup keeps their
+    # max_model_len within it (engine/startup.py).
     sliding_window: int | None = None
     # OLMo 2: RMSNorm after attention and after the MLP (before each residual add) instead
     # of before them, and q/k each normalised over the whole projection, not per head.
     post_norms: bool = False
     scales: GraniteScales = GraniteScales()
+    hidden_act: str = "silu"  # the MLP's activation (families.ACTIVATIONS)
+    gemma: GemmaFacts | None = None  # Gemma 2 / 3 (engine/models/gemma.py); None elsewhere
 
     @property
     def family(self) -> str:
@@ -83,17 +93,20 @@ class ModelArchConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelArchConfig:
         architectures = d.get("architectures") or ["LlamaForCausalLM"]
         arch = architectures[0]
+        if arch in _REFUSED_ARCHITECTURES:
+            raise ModelLoadError(f"architecture {arch}: {_REFUSED_ARCHITECTURES[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
         families.refuse_unsupported(family, d)
         moe = families.moe_facts(family, d)
         num_heads = d["num_attention_heads"]
-        rope_theta, rope_scaling = read_rope(d)  # refuses rope types the engine cannot honour
+        gemma = families.gemma_facts(family, d)
+        # Refuses rope types the engine cannot honour. Gemma 3: its global layers' rope.
+        rope_source = families.gemma3_rope_config(d, "full_attention") if family == "gemma3" else d
+        rope_theta, rope_scaling = read_rope(rope_source)
         eos = d.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -103,14 +116,14 @@ class ModelArchConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=num_heads,
             num_key_value_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            head_dim=d.get("head_dim") or (256 if gemma else d["hidden_size"] // num_heads),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=rope_context_length(d.get("max_position_embeddings", 4096), rope_scaling),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            tie_word_embeddings=d.get("tie_word_embeddings", family in GEMMA_FAMILIES),
             attention_bias=families.qkv_bias(family, d),
-            qk_norm=family in ("qwen3", "qwen3_moe", "olmo2"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "olmo2", "gemma3"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             num_experts=moe.num_experts,
@@ -122,4 +135,6 @@ class ModelArchConfig:
             sliding_window=families.sliding_window(family, d),
             post_norms=family == "olmo2",
             scales=families.granite_scales(family, d),
+            hidden_act=families.hidden_act(family, d),
+            gemma=gemma,
         )

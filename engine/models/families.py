@@ -3,7 +3,8 @@
 implemented, refused by name (a ModelLoadError that says which key and what to do).
 
 Families: llama (Llama, Mistral), qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, phi3, olmo2,
-granite. No torch here: configs and errors import without it.
+granite, gemma2, gemma3 (the text-only Gemma3ForCausalLM). No torch here: configs and errors
+import without it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.models.rope_parameters import read_rope
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+# The MLP activations engine/layers/mlp.py implements (HF's hidden_act / hidden_activation names).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +92,13 @@ def qkv_bias(family: str, d: dict[str, Any]) -> bool:
 
 
 def sliding_window(family: str, d: dict[str, Any]) -> int | None:
-    """The attention window the config turns on (None: full attention). Not implemented:
-    startup refuses a max_model_len longer than it (engine/startup.py), within which a
-    window changes nothing."""
+    """The attention window the config turns on (None: full attention). The Qwen families
+    slide only some layers, which startup refuses past the window (engine/startup.py)."""
     window = d.get("sliding_window")
     if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not d.get("use_sliding_window", False):
         return None
+    if family in GEMMA_FAMILIES:
+        return None  # some layers only: GemmaFacts.layer_windows
     return int(window) if window else None
 
 
@@ -100,10 +106,95 @@ def refuse_unsupported(family: str, d: dict[str, Any]) -> None:
     """Raise for a config value of `family` that changes the math and is not implemented."""
     # partial_rotary_factor and rope types: engine/models/rope_parameters.py.
     # These families put attention_bias on o_proj too (Qwen2's qkv bias leaves o_proj without).
-    if family in ("llama", "qwen3", "qwen3_moe", "olmo2", "granite") and d.get("attention_bias", False):
+    if family in ("llama", "qwen3", "qwen3_moe", "olmo2", "granite", *GEMMA_FAMILIES) and d.get("attention_bias"):
         raise ModelLoadError(
             f"attention_bias true ({family}: biases on q/k/v and on o_proj) is not supported: "
             "o_proj has no bias here"
         )
     if family in ("llama", "granite") and d.get("mlp_bias", False):
         raise ModelLoadError(f"mlp_bias true ({family}: biases on the MLP's projections) is not supported")
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaFacts:
+    """What Gemma 2 and Gemma 3 add to the shared decoder (engine/models/gemma.py)."""
+
+    query_pre_attn_scalar: float  # the softmax scale is its inverse square root
+    attn_logit_softcapping: float | None  # Gemma 2: scores -> tanh(scores / cap) * cap
+    final_logit_softcapping: float | None  # the same on the logits
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: global attention)
+    # Gemma 3's sliding layers rotate with their own base (rope_local_base_freq) and no
+    # scaling; None: every layer uses rope_theta and rope_scaling (Gemma 2).
+    local_rope_theta: float | None = None
+
+
+def gemma_facts(family: str, d: dict[str, Any]) -> GemmaFacts | None:
+    if family not in GEMMA_FAMILIES:
+        return None
+    if d.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            "use_bidirectional_attention true (Gemma: attention without a causal mask) is not supported"
+        )
+    num_layers = d["num_hidden_layers"]
+    # Gemma 2 alternates sliding and global layers; Gemma 3 makes every pattern-th layer global.
+    pattern = 2 if family == "gemma2" else d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != num_layers:
+        raise ModelLoadError(
+            f"layer_types {unknown or layer_types} is not supported: give one of sliding_attention or "
+            f"full_attention for each of the {num_layers} layers"
+        )
+    window = d.get("sliding_window")
+    windows = tuple(int(window) if window and t == "sliding_attention" else None for t in layer_types)
+    local_theta = None
+    if family == "gemma3":
+        local_theta, local_scaling = read_rope(gemma3_rope_config(d, "sliding_attention"))
+        if local_scaling is not None:
+            raise ModelLoadError(
+                f"rope scaling {local_scaling['rope_type']!r} on Gemma 3's sliding layers "
+                "(rope_parameters.sliding_attention) is not supported: HF checkpoints scale only full_attention"
+            )
+    return GemmaFacts(
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        # HF's Gemma 3 reads attn_logit_softcapping but never applies it; so neither does this.
+        attn_logit_softcapping=_float_or_none(d.get("attn_logit_softcapping")) if family == "gemma2" else None,
+        final_logit_softcapping=_float_or_none(d.get("final_logit_softcapping")),
+        layer_windows=windows,
+        local_rope_theta=local_theta,
+    )
+
+
+def gemma3_rope_config(d: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The config dict `read_rope` reads for Gemma 3's `layer_type` layers. transformers 5
+    nests rope_parameters by layer type; older configs give rope_theta and rope_scaling for
+    the global (full_attention) layers and rope_local_base_freq for the sliding ones."""
+    nested = d.get("rope_parameters") or {}
+    rope = dict(nested.get(layer_type) or {})
+    if layer_type == "full_attention":
+        rope.update(d.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+    else:
+        rope.setdefault("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+    flat = {k: v for k, v in d.items() if k not in ("rope_scaling", "rope_parameters", "rope_theta")}
+    return {**flat, "rope_parameters": rope}
+
+
+def hidden_act(family: str, d: dict[str, Any]) -> str:
+    """The MLP's activation: Gemma's HF config calls it hidden_activation (its hidden_act is
+    unused), the others hidden_act. Refused unless engine/layers/mlp.py implements it."""
+    if family in GEMMA_FAMILIES:
+        act = d.get("hidden_activation") or "gelu_pytorch_tanh"
+    else:
+        act = d.get("hidden_act") or "silu"
+    supported = ("silu",) if family in MOE_FAMILIES else ACTIVATIONS  # the experts are SwiGLU
+    if act not in supported:
+        key = "hidden_activation" if family in GEMMA_FAMILIES else "hidden_act"
+        raise ModelLoadError(f"{key} {act!r} is not supported for {family} (supported: {list(supported)})")
+    return str(act)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -2,7 +2,8 @@
 Qwen3 (q/k norm), Phi-3/Phi-4 (fused checkpoint tensors: engine/loader/hf_names.py),
 Granite (four multipliers: ModelArchConfig.scales), OLMo 2 (norms after attention and MLP:
 models/olmo2.py) and the MoE families: Mixtral (a sparse MoE block in place of the MLP:
-models/mixtral.py), Qwen2-MoE and Qwen3-MoE (models/qwen_moe.py). Every difference is a
+models/mixtral.py), Qwen2-MoE and Qwen3-MoE (models/qwen_moe.py), Gemma 2 and Gemma 3
+(four norms per layer, GeGLU, soft-capping: models/gemma.py). Every difference is a
 fact of ModelArchConfig. Tokens arrive flattened ([T]) from a varlen batch; attention goes
 through the paged KV cache. No distributed code here: parallelism is applied from outside.
 """
@@ -19,8 +20,8 @@ from vllm_cluster.engine.errors import ModelLoadError
 from vllm_cluster.engine.layers.attention import Attention
 from vllm_cluster.engine.layers.mlp import MLP
 from vllm_cluster.engine.layers.norm import RMSNorm, add_norm
-from vllm_cluster.engine.layers.rotary import Rope, RotaryEmbedding
-from vllm_cluster.engine.models import mixtral, olmo2, qwen_moe
+from vllm_cluster.engine.layers.rotary import Rope
+from vllm_cluster.engine.models import gemma, mixtral, olmo2, qwen_moe
 from vllm_cluster.engine.models.config import ModelArchConfig
 from vllm_cluster.engine.models.families import QWEN_MOE_FAMILIES
 from vllm_cluster.engine.models.kv_scales import kv_scale_targets, per_layer_scale
@@ -34,7 +35,7 @@ __all__ = ["MLP", "CausalLM", "DecoderLayer", "DecoderModel"]
 def make_mlp(config: ModelArchConfig, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s MLP: dense, or the family's MoE block."""
     if not config.is_moe_layer(layer_id):
-        return MLP(config.hidden_size, config.intermediate_size, config.scales.residual_multiplier)
+        return MLP(config.hidden_size, config.intermediate_size, config.scales.residual_multiplier, config.hidden_act)
     if config.family in QWEN_MOE_FAMILIES:
         return qwen_moe.QwenMoeBlock(config)
     return mixtral.SparseMoeBlock(
@@ -52,10 +53,13 @@ def make_attention(config: ModelArchConfig) -> Attention:
         qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
         scale=config.scales.attention_multiplier,
         qk_norm_per_head=not config.post_norms,
+        sliding_window=config.sliding_window,
     )
 
 
 def make_layer(config: ModelArchConfig, layer_id: int) -> nn.Module:
+    if config.gemma is not None:
+        return gemma.GemmaDecoderLayer(config, layer_id)
     if config.post_norms:
         mlp = make_mlp(config, layer_id)
         assert isinstance(mlp, MLP), "OLMo 2 is dense"
@@ -133,18 +137,25 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = gemma.make_rotary(config)  # returns a Rope (Gemma 3: a DualRope)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.gemma is not None)
         self.embedding_multiplier = config.scales.embedding_multiplier
-        self.fuses_norms = not config.post_norms  # OLMo 2's layers have no input norm to fuse
+        # Gemma scales by sqrt(hidden_size) rounded to the model's dtype first, as HF does.
+        self.rounds_multiplier = config.gemma is not None
+        if config.gemma is not None:
+            self.embedding_multiplier = config.hidden_size**0.5
+        # OLMo 2's layers have no input norm to fuse; Gemma's norms scale by 1 + weight.
+        self.fuses_norms = not config.post_norms and config.gemma is None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> [T, D] (times Granite's embedding_multiplier)."""
+        """[T] -> [T, D] (times Granite's embedding_multiplier or Gemma's sqrt(hidden_size))."""
         x = self.embed_tokens(input_ids)
-        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
+        if self.embedding_multiplier == 1.0:
+            return x
+        if self.rounds_multiplier:
+            return x * float(torch.tensor(self.embedding_multiplier, dtype=x.dtype))
+        return x * self.embedding_multiplier
 
     def forward(
         self,
@@ -242,7 +253,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)
         scaling = self.config.scales.logits_scaling  # Granite divides its logits
-        return logits if scaling == 1.0 else logits / scaling
+        if scaling != 1.0:
+            logits = logits / scaling
+        cap = self.config.gemma.final_logit_softcapping if self.config.gemma is not None else None
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises if one is missing, unknown or misshapen. Tensors of

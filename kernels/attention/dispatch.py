@@ -2,7 +2,8 @@
 they run the Triton kernels (`triton_*.py`), elsewhere the torch path (`torch_ops.py`);
 `reference.py` holds the plain definitions both are tested against. A KV cache of
 float8_e4m3fn stores K and V scaled by a layer's k_scale / v_scale ([1] fp32 device tensors;
-kernels/attention/fp8_kv.py); other caches ignore the scales.
+kernels/attention/fp8_kv.py); other caches ignore the scales. `sliding_window` is the layer's
+window W or None: a query at position p attends to the keys at p - W < k <= p.
 """
 
 from __future__ import annotations
@@ -23,25 +24,26 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's context in the paged cache.
 
     query: [T, Hq, D]; key, value: [T, Hkv, D], already written to kv_cache -> [T, Hq, D].
     """
     if not query.is_cuda:
-        return torch_ops.paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
+        return torch_ops.paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale, sliding_window)
     if meta.is_decode_only:
         from vllm_cluster.kernels.attention.triton_decode import decode_attention
 
         return decode_attention(
             query, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
         )  # fmt: skip
     from vllm_cluster.kernels.attention.triton_prefill import prefill_attention
 
     return prefill_attention(
         query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-        max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
+        max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
     )  # fmt: skip
 
 
@@ -56,6 +58,7 @@ def rotary_paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`rotary_write_kv_cache` of the new tokens, then `paged_attention`: query [T, Hq, D],
     key and value [T, Hkv, D] not yet rotated, cos / sin [T, D/2] fp32 -> [T, Hq, D]. On CUDA
@@ -67,10 +70,10 @@ def rotary_paged_attention(
 
         return rotary_decode_attention(
             query, key, value, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
-            max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
+            max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
         )  # fmt: skip
     query, key = rotary_write_kv_cache(query, key, value, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
-    return paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale)
+    return paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale, sliding_window)
 
 
 def write_kv_cache(

@@ -16,6 +16,8 @@ class CpuPlan:
     seq_lens: list[int]
     decode_seq_ids: torch.Tensor  # [Bd] long: sequences with exactly one new token
     decode_token_ids: torch.Tensor  # [Bd] long: where their token sits in the batch
+    decode_lens: torch.Tensor  # [Bd] long: their context lengths
+    decode_min_len: int
     decode_max_len: int
     # [Bd, 1, 1, decode_max_len] bool, True = attend; None when all decode lengths are equal.
     decode_mask: torch.Tensor | None
@@ -36,6 +38,8 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int]) -> CpuPlan:
         seq_lens=seq_lens,
         decode_seq_ids=torch.tensor(decode, dtype=torch.long),
         decode_token_ids=torch.tensor([query_start_loc[b] for b in decode], dtype=torch.long),
+        decode_lens=decode_lens,
+        decode_min_len=min((seq_lens[b] for b in decode), default=0),
         decode_max_len=decode_max_len,
         decode_mask=mask,
         prefill_seq_ids=[b for b, q in enumerate(q_lens) if q > 1],

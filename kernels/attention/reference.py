@@ -6,6 +6,8 @@ Written for clarity, not speed (loops over sequences). Shapes:
   seq_lens      [B] int32: context length after this step (0 = padding, output zeros)
   k_scale, v_scale  [1] fp32 (or floats): an fp8 cache's scales (kernels/attention/fp8_kv.py); a
                 cache of another dtype ignores them
+  sliding_window  a layer's window W, or None: the query at position p sees the keys at
+                positions p - W < k <= p (W tokens, itself included, as transformers' Mistral)
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ def _context(
     return dequantize(k, k_scale, torch.float32), dequantize(v, v_scale, torch.float32)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [Q, Hq, D] at the last Q positions of a context k, v: [L, Hkv, D]; causal; fp32 math."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """q: [Q, Hq, D] at the last Q positions of a context k, v: [L, Hkv, D]; causal (within
+    the window, if any); fp32 math."""
     num_q, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -40,6 +45,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Q, L]
     q_pos = torch.arange(seq_len - num_q, seq_len)[:, None]
     mask = torch.arange(seq_len)[None, :] <= q_pos  # [Q, L]
+    if sliding_window is not None:
+        mask &= torch.arange(seq_len)[None, :] > q_pos - sliding_window
     scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
 
@@ -52,6 +59,7 @@ def decode_attention(
     scale: float,
     k_scale: Scale = None,
     v_scale: Scale = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence -> [B, Hq, D]."""
     out = torch.zeros_like(q)
@@ -59,7 +67,7 @@ def decode_attention(
         seq_len = int(seq_lens[b])
         if seq_len > 0:
             k, v = _context(kv_cache, block_tables[b], seq_len, k_scale, v_scale)
-            out[b] = _attend(q[b : b + 1], k, v, scale)[0]
+            out[b] = _attend(q[b : b + 1], k, v, scale, sliding_window)[0]
     return out
 
 
@@ -72,6 +80,7 @@ def prefill_attention(
     scale: float,
     k_scale: Scale = None,
     v_scale: Scale = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch; sequence b owns q[loc[b]:loc[b+1]], the last tokens of
     its seq_lens[b]-long context (a cached prefix may come first) -> [T, Hq, D]."""
@@ -80,7 +89,7 @@ def prefill_attention(
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
         if end > start:
             k, v = _context(kv_cache, block_tables[b], int(seq_lens[b]), k_scale, v_scale)
-            out[start:end] = _attend(q[start:end], k, v, scale)
+            out[start:end] = _attend(q[start:end], k, v, scale, sliding_window)
     return out
 
 

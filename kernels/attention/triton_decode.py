@@ -25,7 +25,9 @@ Launch shapes depend only on tensor shapes and `max_seq_len` (never on the value
 A split whose range is empty (a short sequence, a padding row) writes (-inf, 0, 0); a
 sequence of length 0 gets zeros. An fp8 cache (kernels/attention/fp8_kv.py) is upcast to q's dtype
 (exact) as it is loaded; k_scale is folded into the softmax scale and v_scale into the
-partial sums, both read from device memory (a CUDA graph replays them).
+partial sums, both read from device memory (a CUDA graph replays them). A sliding window
+(a layer's, or None) limits each row to its last `sliding_window` tokens: the splits share
+out only those, so a long context costs what the window does.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def decode_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence -> [B, Hq, D] in q's dtype.
 
@@ -117,7 +120,9 @@ def decode_attention(
     only steers the automatic `num_splits`; for CUDA graphs pass the same value at capture
     and replay.
     """
-    return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, None)
+    return _decode(
+        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, None, sliding_window
+    )
 
 
 def rotary_decode_attention(
@@ -135,6 +140,7 @@ def rotary_decode_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`rotary_write_kv_cache` (kernels/attention/dispatch.py) of the new tokens, then `decode_attention`, with no
     launch between them: q [B, Hq, D], k and v [B, Hkv, D] (not rotated; views of the qkv
@@ -154,7 +160,9 @@ def rotary_decode_attention(
     sin = sin.reshape(num_tokens, head_dim // 2)
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1
     new = NewTokens(k, v, cos, sin, slot_mapping)
-    return _decode(q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new)
+    return _decode(
+        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new, sliding_window
+    )
 
 
 def _new_partials(
@@ -177,6 +185,7 @@ def _decode(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     new: NewTokens | None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Both launches; `new`: rotate and cache the new tokens first (`rotary_decode_attention`)."""
     batch_size, num_heads, head_dim = q.shape
@@ -187,27 +196,30 @@ def _decode(
     kv_fp8 = is_fp8(kv_cache.dtype)
     assert kv_fp8 or kv_cache.dtype == q.dtype, f"kv_cache is {kv_cache.dtype}, q is {q.dtype}"
     assert not kv_fp8 or (k_scale is not None and v_scale is not None), "an fp8 cache needs k_scale and v_scale"
+    assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window}"
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
     if num_splits is None:
-        num_splits = choose_num_splits(batch_size, num_kv_heads, max_seq_len, _num_sms(q.device))
+        # With a window the splits share at most window + one partial tile of tokens.
+        max_read = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + tile_n)
+        num_splits = choose_num_splits(batch_size, num_kv_heads, max_read, _num_sms(q.device))
     assert num_splits >= 1
 
     group = num_heads // num_kv_heads
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     out = torch.empty_like(q)
     if num_splits == 1:
         part_max = part_sum = part_acc = out  # unused by the kernel
     else:
         part_max, part_sum, part_acc = _new_partials(q, num_splits, head_dim_pad)
-    tile_n, num_stages, fp16_dot = _tile_config(head_dim_pad, kv_fp8, q.dtype)
     use_pdl = pdl.enabled(q)
     rotary = new if new is not None else NewTokens(q, q, q, q, seq_lens)  # any tensors: not read
     decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * math.log2(math.e),
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # any pointer: not read
-        rotary.k, rotary.v, rotary.cos, rotary.sin, rotary.slot_mapping,
+        rotary.k, rotary.v, rotary.cos, rotary.sin, rotary.slot_mapping, sliding_window or 0,
         q.stride(0), q.stride(1), rotary.k.stride(0), rotary.k.stride(1), rotary.v.stride(0), rotary.v.stride(1),
         rotary.cos.stride(0), rotary.sin.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -226,6 +238,7 @@ def _decode(
         PDL=use_pdl,
         ROTARY=new is not None,
         EARLY_TILE=new is not None and EARLY_FIRST_TILE,
+        SLIDING=sliding_window is not None,
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,

@@ -3,7 +3,9 @@ one program per (sequence, KV head, split) keeps an fp32 online softmax over its
 cached tokens, in tiles that may span KV blocks, and writes a partial (max, sum, acc) per
 query head, or the normalised output when there is one split. With ROTARY it first rotates
 q and the new k and attends over the new token itself (the first split caches it); with
-EARLY_TILE it loads its first tile of cached K/V before the PDL wait.
+EARLY_TILE it loads its first tile of cached K/V before the PDL wait. With SLIDING (a
+layer's window of `window` tokens) the splits share out only the tiles from the one holding
+the window's first token (seq_len - window), whose earlier tokens are masked.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from vllm_cluster.kernels.sync import pdl
 
 @triton.jit
 def _load_kv_tile(
-    kv_head_ptr, table_ptr, tile_start, end, dims, stride_kv_block, stride_kv_kv, stride_kv_token,
+    kv_head_ptr, table_ptr, tile_start, begin, end, dims, stride_kv_block, stride_kv_kv, stride_kv_token,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):  # fmt: skip
     """The K and V rows ([TILE_N, D] each, the cache's dtype) of tokens tile_start + [0,
-    TILE_N) below `end`, each found through the block table, and which tokens those are."""
+    TILE_N) below `end` (and, if SLIDING, from `begin`), each found through the block table,
+    and which tokens those are."""
     tokens = tile_start + tl.arange(0, TILE_N)
     token_ok = tokens < end
+    if SLIDING:
+        token_ok = token_ok & (tokens >= begin)
     block_ids = tl.load(table_ptr + tokens // BLOCK_SIZE, mask=token_ok, other=0)
     token_offs = block_ids.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_token
     k_ptrs = kv_head_ptr + token_offs[:, None] + dims[None, :]  # [N, D]
@@ -85,6 +91,7 @@ def decode_split_kernel(
     cos_ptr,  # ROTARY: [B, D / 2] fp32
     sin_ptr,
     slot_mapping_ptr,  # ROTARY: [B], the new tokens' cache slots (-1: not cached)
+    window,  # SLIDING: the layer's window
     stride_q_seq,
     stride_q_head,
     stride_k_seq,
@@ -113,6 +120,7 @@ def decode_split_kernel(
     PDL: tl.constexpr,
     ROTARY: tl.constexpr,
     EARLY_TILE: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,16 +132,24 @@ def decode_split_kernel(
         pdl.dependent_start(PDL)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # The first visible token, and the tile-aligned start of the range the splits share.
+    begin = 0
+    range_start = 0
+    if SLIDING:
+        begin = tl.maximum(seq_len - window, 0)
+        range_start = begin // TILE_N * TILE_N
     # Splits are whole tiles, so a tile never straddles two splits and, when a tile holds
     # whole KV blocks, a split is a contiguous range of KV blocks.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
-    split_start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - range_start, NUM_SPLITS), TILE_N) * TILE_N
+    split_start = range_start + split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     # ROTARY: the new token (position seq_len - 1) is not read from the cache, where the first
     # split is writing it, but taken from registers after the loop.
     cached_end = split_end
     if ROTARY:
         cached_end = tl.minimum(split_end, seq_len - 1)
+    if SLIDING:  # a window of one token has no cached token to read: every tile must hold one
+        cached_end = tl.where(begin < cached_end, cached_end, split_start)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -144,8 +160,8 @@ def decode_split_kernel(
     table_ptr = block_tables_ptr + seq * stride_table_seq
     if EARLY_TILE:
         k_first, v_first, ok_first = _load_kv_tile(
-            kv_head_ptr, table_ptr, split_start, cached_end, dims, stride_kv_block, stride_kv_kv, stride_kv_token,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N,
+            kv_head_ptr, table_ptr, split_start, begin, cached_end, dims, stride_kv_block, stride_kv_kv,
+            stride_kv_token, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING,
         )  # fmt: skip
         if PDL:
             gdc_wait()
@@ -181,8 +197,8 @@ def decode_split_kernel(
         loop_start = split_start + TILE_N
     for tile_start in range(loop_start, cached_end, TILE_N):
         k, v, token_ok = _load_kv_tile(
-            kv_head_ptr, table_ptr, tile_start, cached_end, dims, stride_kv_block, stride_kv_kv, stride_kv_token,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N,
+            kv_head_ptr, table_ptr, tile_start, begin, cached_end, dims, stride_kv_block, stride_kv_kv,
+            stride_kv_token, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING,
         )  # fmt: skip
         max_i, sum_i, acc = _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION)
     if ROTARY:  # noqa: SIM102 (a compile-time branch around a run-time one)

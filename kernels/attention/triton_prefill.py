@@ -13,6 +13,11 @@ the query tile may see (no mask), then the tiles across the causal diagonal (mas
 nothing past it. An fp8 cache (kernels/attention/fp8_kv.py) is upcast to q's dtype (exact) as each tile
 is loaded; k_scale is folded into the softmax scale and v_scale into the output, both read
 from device memory.
+
+With a sliding window W (SLIDING, a layer's window; `window` holds W) the row at position p
+sees the keys p - W < k <= p: the walk starts at the tile holding the tile's lowest visible
+key, the tiles below the window's edge for some row are masked as the diagonal's are, and
+whole tiles outside every row's window are never read.
 """
 
 from __future__ import annotations
@@ -85,10 +90,10 @@ def _kv_token_offsets(block_table_ptr, start, tokens, token_valid, stride_kv_blo
 
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos, seq_len,
-                 qk_scale, stride_kv_block, stride_kv_tok,
+                 qk_scale, window, key_start, stride_kv_block, stride_kv_tok,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
                  CACHE_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over context tokens start:start+BLOCK_N.
 
     acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M] fp32 (m_i in log2 units); q: [BLOCK_M, BLOCK_D].
@@ -96,6 +101,9 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos
     tokens = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     token_valid = tokens < seq_len
+    if SLIDING and MASKED:
+        # Below key_start no row looks: its block may be released (engine/kv_cache_manager.py).
+        token_valid = token_valid & (tokens >= key_start)
     kv_offs = _kv_token_offsets(block_table_ptr, start, tokens, token_valid, stride_kv_block,
                                 stride_kv_tok, CACHE_BLOCK_SIZE, BLOCK_N, MASKED)
     ptr_offs = kv_offs[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -107,11 +115,18 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (tokens[None, :] <= q_pos[:, None]) & token_valid[None, :]
+        if SLIDING:
+            visible = visible & (tokens[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-    # Every row sees at least one key by its first tile, so m_new is finite from then on.
+    # Without a window every row sees a key in its first tile, so m_new is finite from then
+    # on; with one a row may see none of a tile below its window: exponentiate against 0
+    # there (p and alpha come out 0, not NaN).
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_exp = m_new
+    if SLIDING:
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_exp[:, None])
+    alpha = tl.exp2(m_i - m_exp)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
@@ -121,11 +136,13 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos
 def _prefill_attention_kernel(
     q_ptr, kv_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale, k_scale_ptr, v_scale_ptr,  # the scales: [1] fp32, read when KV_FP8
+    window,  # the sliding window, read when SLIDING
     stride_q_tok, stride_q_head, stride_out_tok, stride_out_head,
     stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head, stride_bt_seq,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAD_D: tl.constexpr, CACHE_BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # Rows of the tile are (token, q head of the group) pairs: TILE_Q tokens x QUERIES_PER_KV.
     TILE_Q: tl.constexpr = BLOCK_M // QUERIES_PER_KV
@@ -163,19 +180,35 @@ def _prefill_attention_kernel(
     # Keys 0..first_pos are visible to every row of the tile (and all lie below seq_len).
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(seq_len, first_pos + TILE_Q)
-    for start in range(0, unmasked_end, BLOCK_N):
+    key_start = 0  # the first key some row of the tile sees
+    window_start = 0  # the first tile some row's window reaches
+    full_start = 0  # the first tile inside every row's window
+    if SLIDING:
+        key_start = tl.maximum(first_pos - window + 1, 0)
+        window_start = key_start // BLOCK_N * BLOCK_N
+        full_start = tl.cdiv(tl.maximum(first_pos + TILE_Q - window, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(tl.maximum(full_start, window_start), unmasked_end)
+        for start in range(window_start, full_start, BLOCK_N):
+            start = tl.multiple_of(start, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos, seq_len, qk_scale,
+                window, key_start, stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE,
+                BLOCK_N, True, SLIDING, DOT_PRECISION)
+    for start in range(full_start, unmasked_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos, seq_len, qk_scale,
-            stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE, BLOCK_N,
-            False, DOT_PRECISION)
+            window, key_start, stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE,
+            BLOCK_N, False, SLIDING, DOT_PRECISION)
     for start in range(unmasked_end, causal_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos, seq_len, qk_scale,
-            stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE, BLOCK_N,
-            True, DOT_PRECISION)
+            window, key_start, stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE,
+            BLOCK_N, True, SLIDING, DOT_PRECISION)
 
+    if SLIDING:  # a row past q_len may see no key at all: not stored, but keep it finite
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_i[:, None]
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -199,10 +232,12 @@ def prefill_attention(
     config: PrefillTileConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D], q's dtype or fp8 (then with k_scale,
     v_scale: [1] fp32); block_tables: [B, max_num_blocks] int32; query_start_loc: [B + 1]
-    int32; seq_lens: [B] int32 -> [T, Hq, D] in q's dtype.
+    int32; seq_lens: [B] int32; sliding_window: the layer's window or None -> [T, Hq, D] in
+    q's dtype.
 
     max_query_len must be at least the longest q_len (it sizes the grid; never read back from
     the device). Rows outside every sequence's range are zero, as in the reference; pass `out`
@@ -222,6 +257,7 @@ def prefill_attention(
     if out is None:
         out = torch.zeros_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
+    assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window}"
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
 
@@ -235,6 +271,7 @@ def prefill_attention(
         q, kv_cache, out, block_tables, query_start_loc, seq_lens,
         scale * _LOG2_E,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # any pointer: not read
+        sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -244,6 +281,7 @@ def prefill_attention(
         # fp32 callers want fp32 results, not TF32; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
+        SLIDING=sliding_window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

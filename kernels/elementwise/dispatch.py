@@ -10,14 +10,15 @@ from vllm_cluster.kernels.elementwise import torch_ops
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * rms_norm(x + residual), x + residual); x: [T, D]."""
+    """(weight * rms_norm(x + residual), x + residual); x: [T, D]. unit_offset (Gemma): the
+    scale is 1 + weight, applied in fp32 (kernels/elementwise/reference.py)."""
     if not x.is_cuda:
-        return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
+        return torch_ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
     from vllm_cluster.kernels.elementwise import triton_ops
 
-    return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
+    return triton_ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def rotary_embedding(
@@ -29,6 +30,15 @@ def rotary_embedding(
     from vllm_cluster.kernels.elementwise import triton_ops
 
     return triton_ops.rotary_embedding(q, k, cos, sin)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> gelu_tanh(gate) * up: [T, I] (GeGLU)."""
+    if not x.is_cuda:
+        return torch_ops.gelu_tanh_and_mul(x)
+    from vllm_cluster.kernels.elementwise import triton_ops
+
+    return triton_ops.gelu_tanh_and_mul(x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Triton kernels for the small elementwise steps of the hot path: fused add + RMS norm,
-rotary embedding, SiLU-and-mul.
+rotary embedding, SiLU-and-mul (and GeGLU's gelu-tanh-and-mul).
 
 Each wrapper has the signature and semantics of the same-named function in
 `kernels/elementwise/reference.py`, which is its definition in the tests. The wrappers read only shapes,
@@ -34,6 +34,7 @@ def _fused_add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr = False,
 ):
     pdl.dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -47,17 +48,21 @@ def _fused_add_rms_norm_kernel(
         tl.store(new_residual_ptr + row * new_residual_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     mean_square = tl.sum(xf * xf, axis=0) / hidden_size
-    normed = (xf * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: scale by 1 + weight in fp32, the normalised x not rounded first
+        out = (1.0 + weight.to(tl.float32)) * (xf * tl.rsqrt(mean_square + eps))
+    else:
+        normed = (xf * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
+        out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [T, D] -> (weight * rms_norm(x + residual), x + residual). Without a
-    residual the second output is x itself, as in the reference."""
+    """x, residual: [T, D] -> (weight * rms_norm(x + residual), x + residual); unit_offset:
+    (1 + weight) instead of weight, as the reference. Without a residual the second output is
+    x itself, as in the reference."""
     hidden_size = x.shape[-1]
     assert weight.shape == (hidden_size,), f"weight {tuple(weight.shape)} != ({hidden_size},)"
     assert residual is None or residual.shape == x.shape
@@ -93,6 +98,7 @@ def fused_add_rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             PDL=use_pdl,
+            UNIT_OFFSET=unit_offset,
             num_warps=min(max(block // 512, 1), 16),
             launch_pdl=use_pdl,
         )
@@ -230,6 +236,7 @@ def _silu_and_mul_kernel(
     intermediate_size,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    GELU_TANH: tl.constexpr = False,
 ):
     pdl.dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -237,7 +244,11 @@ def _silu_and_mul_kernel(
     mask = cols < intermediate_size
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + intermediate_size + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_stride + cols, silu_times(gate, up, out_ptr.dtype.element_ty), mask=mask)
+    if GELU_TANH:
+        out = gelu_tanh_times(gate, up, out_ptr.dtype.element_ty)
+    else:
+        out = silu_times(gate, up, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
 
 @triton.jit
@@ -250,8 +261,27 @@ def silu_times(gate, up, element_ty: tl.constexpr):
     return (silu.to(tl.float32) * up.to(tl.float32)).to(element_ty)
 
 
+@triton.jit
+def gelu_tanh_times(gate, up, element_ty: tl.constexpr):
+    """gelu(gate) * up with gelu's tanh approximation, rounded like silu_times."""
+    g = gate.to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (g + 0.044715 g^3)
+    tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+    gelu = (0.5 * g * (1.0 + tanh)).to(element_ty)
+    return (gelu.to(tl.float32) * up.to(tl.float32)).to(element_ty)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+    return _act_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> gelu_tanh(gate) * up: [T, I] (GeGLU)."""
+    return _act_and_mul(x, gelu_tanh=True)
+
+
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} must be even ([gate | up])"
     intermediate_size = x.shape[-1] // 2
     x2d = x.reshape(-1, x.shape[-1])
@@ -264,6 +294,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         use_pdl = pdl.enabled(x)
         _silu_and_mul_kernel[grid](
             x2d, out, x2d.stride(0), out.stride(0), intermediate_size, BLOCK=block,
-            PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+            PDL=use_pdl, GELU_TANH=gelu_tanh, num_warps=4, launch_pdl=use_pdl,
         )  # fmt: skip
     return out.view(*x.shape[:-1], intermediate_size)

@@ -156,14 +156,16 @@ def test_write_kv_cache_no_tokens() -> None:
 # --- fused_add_rms_norm ---------------------------------------------------------------------
 
 
-def check_rms_norm(num_tokens: int, hidden_size: int, dtype: torch.dtype, residual: bool) -> None:
+def check_rms_norm(
+    num_tokens: int, hidden_size: int, dtype: torch.dtype, residual: bool, unit_offset: bool = False
+) -> None:
     x = randn(num_tokens, hidden_size, dtype=dtype, seed=3)
     res = randn(num_tokens, hidden_size, dtype=dtype, seed=4) if residual else None
-    weight = (1.0 + 0.1 * randn(hidden_size, dtype=torch.float32, seed=5)).to(dtype)
+    weight = (float(not unit_offset) + 0.1 * randn(hidden_size, dtype=torch.float32, seed=5)).to(dtype)
     x_before = x.clone()
 
-    out, new_res = triton_ops.fused_add_rms_norm(x, res, weight, 1e-6)
-    expected_out, expected_res = elementwise_reference.fused_add_rms_norm(x, res, weight, 1e-6)
+    out, new_res = triton_ops.fused_add_rms_norm(x, res, weight, 1e-6, unit_offset)
+    expected_out, expected_res = elementwise_reference.fused_add_rms_norm(x, res, weight, 1e-6, unit_offset)
 
     assert_close(out, expected_out)
     assert_close(new_res, expected_res)
@@ -175,6 +177,13 @@ def check_rms_norm(num_tokens: int, hidden_size: int, dtype: torch.dtype, residu
 @pytest.mark.parametrize("hidden_size", [64, 96, 576])
 def test_fused_add_rms_norm(hidden_size: int, residual: bool, dtype: torch.dtype) -> None:
     check_rms_norm(5, hidden_size, dtype, residual)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("residual", [True, False])
+def test_fused_add_rms_norm_unit_offset(residual: bool, dtype: torch.dtype) -> None:
+    """Gemma's norm: the scale is 1 + weight, in fp32."""
+    check_rms_norm(5, 96, dtype, residual, unit_offset=True)
 
 
 def test_fused_add_rms_norm_strided_rows() -> None:
@@ -257,6 +266,19 @@ def test_silu_and_mul(intermediate_size: int, dtype: torch.dtype) -> None:
     check_silu_and_mul(3, intermediate_size, dtype)
 
 
+def check_gelu_tanh_and_mul(num_tokens: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    x = (3.0 * randn(num_tokens, 2 * intermediate_size, dtype=torch.float32, seed=11)).to(dtype)
+    out = triton_ops.gelu_tanh_and_mul(x)
+    assert out.shape == (num_tokens, intermediate_size)
+    assert_close(out, elementwise_reference.gelu_tanh_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("intermediate_size", [64, 96])
+def test_gelu_tanh_and_mul(intermediate_size: int, dtype: torch.dtype) -> None:
+    check_gelu_tanh_and_mul(3, intermediate_size, dtype)
+
+
 # --- realistic shapes on the GPU ------------------------------------------------------------
 
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -287,6 +309,12 @@ def test_fused_add_rms_norm_cuda(hidden_size: int, residual: bool, dtype: torch.
 
 @cuda_only
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_fused_add_rms_norm_unit_offset_cuda(dtype: torch.dtype) -> None:
+    check_rms_norm(4096, 2304, dtype, residual=True, unit_offset=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("num_tokens", [4096, 1])
 def test_rotary_embedding_cuda(num_tokens: int, dtype: torch.dtype) -> None:
     check_rotary(num_tokens, 32, 8, 128, dtype)
@@ -296,6 +324,12 @@ def test_rotary_embedding_cuda(num_tokens: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_silu_and_mul_cuda(dtype: torch.dtype) -> None:
     check_silu_and_mul(4096, 14336, dtype)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gelu_tanh_and_mul_cuda(dtype: torch.dtype) -> None:
+    check_gelu_tanh_and_mul(4096, 9216, dtype)
 
 
 @cuda_only
