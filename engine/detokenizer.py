@@ -60,6 +60,10 @@ def num_unfinished_tokens(tokenizer: Any, token_ids: list[int], skip_special_tok
     for the tokens that complete it): at most 3, the continuation bytes a UTF-8 character can
     be missing, so bytes that never form a character are not waited for."""
     n = len(token_ids)
-    while n > max(0, len(token_ids) - 3) and tokenizer.decode(token_ids[:n], skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+    while n > max(0, len(token_ids) - 3) and _ends_inside_a_character(tokenizer, token_ids[:n], skip_special_tokens):
         n -= 1
     return len(token_ids) - n
+
+
+def _ends_inside_a_character(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> bool:
+    return bool(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens).endswith("\ufffd"))
