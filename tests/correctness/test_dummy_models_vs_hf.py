@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.correctness.hf_reference import hf_greedy, randomise
 from vllm_cluster.engine import LLM, SamplingParams
 
 MAX_NEW_TOKENS = 8
@@ -79,32 +80,6 @@ def _mistral() -> Any:
 CONFIGS = {"qwen2": _qwen2, "qwen3": _qwen3, "llama3_rope": _llama3_rope, "mistral": _mistral}
 
 
-def _randomise(model: torch.nn.Module) -> None:
-    # The default init (std 0.02) makes nearly uniform logits, where argmax ties hide bugs.
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(0.2 * noise)
-
-
-def _hf_greedy(model: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    with torch.no_grad():
-        for _ in range(MAX_NEW_TOKENS):
-            logits = model(ids).logits[0, -1].float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return tokens, logprobs
-
-
 @pytest.fixture(params=sorted(CONFIGS), scope="module")
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     from transformers import AutoModelForCausalLM
@@ -112,7 +87,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     config = CONFIGS[request.param]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _randomise(model)
+    randomise(model)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(str(path), safe_serialization=True)
     return path, model
@@ -133,7 +108,7 @@ def test_greedy_tokens_and_logprobs_match_hf(checkpoint: tuple[Path, Any]) -> No
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
 
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        hf_tokens, hf_logprobs = _hf_greedy(hf_model, prompt)
+        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         completion = output.outputs[0]
         assert completion.token_ids == hf_tokens, f"prompt of {len(prompt)} tokens"
         assert completion.logprobs is not None
@@ -145,7 +120,7 @@ def test_hf_reference_is_not_degenerate(checkpoint: tuple[Path, Any]) -> None:
     # Guards the comparison above: random weights that made every prompt emit one repeated
     # token would let a broken model pass.
     _, hf_model = checkpoint
-    generated = [tuple(_hf_greedy(hf_model, p)[0]) for p in PROMPTS]
+    generated = [tuple(hf_greedy(hf_model, p, MAX_NEW_TOKENS)[0]) for p in PROMPTS]
     assert len(set(generated)) == len(PROMPTS)
     assert all(len(set(tokens)) > 1 for tokens in generated)
 

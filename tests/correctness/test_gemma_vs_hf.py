@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.correctness.hf_reference import hf_greedy
 from vllm_cluster.engine import LLM, ModelLoadError, SamplingParams
 from vllm_cluster.engine.loader import build_model
 from vllm_cluster.engine.models import ModelArchConfig
@@ -82,23 +83,6 @@ def _randomise(model: torch.nn.Module) -> None:
             param.copy_(std * noise)
 
 
-def _hf_greedy(model: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # HF's many tiny ops: two threads on two busy cores are far slower
-    with torch.no_grad():
-        for _ in range(MAX_NEW_TOKENS):
-            logits = model(ids).logits[0, -1].float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    torch.set_num_threads(threads)
-    return tokens, logprobs
-
-
 @pytest.fixture(params=sorted(CONFIGS), scope="module")
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, str]:
     from transformers import AutoModelForCausalLM
@@ -139,7 +123,7 @@ def _assert_matches_hf(llm: LLM, hf_model: Any) -> None:
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     generated = []
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        hf_tokens, hf_logprobs = _hf_greedy(hf_model, prompt)
+        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         generated.append(tuple(hf_tokens))
         completion = output.outputs[0]
         assert completion.token_ids == hf_tokens, f"prompt of {len(prompt)} tokens"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.correctness.hf_reference import hf_greedy, randomise
 from vllm_cluster.engine import LLM, ModelLoadError, SamplingParams
 from vllm_cluster.engine.layers.mlp import MLP
 from vllm_cluster.engine.models.mixtral import SparseMoeBlock
@@ -106,30 +107,6 @@ CONFIGS: dict[str, tuple[Callable[[], Any], list[list[int]]]] = {
 }
 
 
-def _randomise(model: torch.nn.Module) -> None:
-    # The default init (std 0.02) makes nearly uniform logits and router scores, where
-    # argmax and top-k ties hide bugs.
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
-
-
-def _hf_greedy(model: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    with torch.no_grad():
-        for _ in range(MAX_NEW_TOKENS):
-            logits = model(ids).logits[0, -1].float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return tokens, logprobs
-
-
 @pytest.fixture(params=sorted(CONFIGS), scope="module")
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, str]:
     from transformers import AutoModelForCausalLM
@@ -137,7 +114,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     config = CONFIGS[request.param][0]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _randomise(model)
+    randomise(model)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(str(path), safe_serialization=True)
     return path, model, request.param
@@ -155,7 +132,7 @@ def _assert_matches_hf(llm: LLM, hf_model: Any, prompts: list[list[int]]) -> Non
     outputs = llm.generate(prompts, params, use_tqdm=False)
     generated = []
     for prompt, output in zip(prompts, outputs, strict=True):
-        hf_tokens, hf_logprobs = _hf_greedy(hf_model, prompt)
+        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         generated.append(tuple(hf_tokens))
         completion = output.outputs[0]
         assert completion.token_ids == hf_tokens, f"prompt of {len(prompt)} tokens"

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.correctness.hf_reference import hf_greedy, randomise
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.engine.errors import ModelLoadError
 from vllm_cluster.engine.layers.rotary import RotaryEmbedding
@@ -140,28 +141,6 @@ def test_context_length_follows_the_scaling() -> None:
     assert lengths == expected
 
 
-def _randomise(model: torch.nn.Module) -> None:
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
-
-
-def _hf_greedy(model: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    with torch.no_grad():
-        for _ in range(MAX_NEW_TOKENS):
-            logits = model(ids).logits[0, -1].float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_tokens_and_logprobs_match_hf(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
@@ -169,7 +148,7 @@ def test_greedy_tokens_and_logprobs_match_hf(name: str, tmp_path: Path) -> None:
     config = _hf_config(name)
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _randomise(hf_model)
+    randomise(hf_model)
     hf_model.save_pretrained(str(tmp_path), safe_serialization=True)
     prompts = CASES[name][1]
     context = ModelArchConfig.from_hf_dict(config.to_dict()).max_position_embeddings
@@ -185,7 +164,7 @@ def test_greedy_tokens_and_logprobs_match_hf(name: str, tmp_path: Path) -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
 
     for prompt, output in zip(prompts, outputs, strict=True):
-        hf_tokens, hf_logprobs = _hf_greedy(hf_model, prompt)
+        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         completion = output.outputs[0]
         assert completion.token_ids == hf_tokens, f"prompt of {len(prompt)} tokens"
         assert completion.logprobs is not None

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.correctness.handoff import run_disaggregated
-from tests.correctness.test_dummy_models_vs_hf import _TINY, _randomise
+from tests.correctness.hf_reference import hf_greedy, randomise
+from tests.correctness.test_dummy_models_vs_hf import _TINY
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.engine.request import RequestId
 
@@ -41,25 +42,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_mistral(WINDOW), dtype=torch.float32).eval()
-    _randomise(model)
+    randomise(model)
     path = tmp_path_factory.mktemp("mistral_window")
     model.save_pretrained(str(path), safe_serialization=True)
     return path, model
-
-
-def _hf_greedy(model: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Full forward passes (no HF cache), so HF's own mask is all that limits attention."""
-    ids = torch.tensor([prompt])
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    with torch.no_grad():
-        for _ in range(MAX_NEW_TOKENS):
-            logits = model(ids).logits[0, -1].float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return tokens, logprobs
 
 
 def make_llm(path: Path, **overrides: Any) -> LLM:
@@ -76,7 +62,7 @@ def test_greedy_tokens_and_logprobs_match_hf_past_the_window(checkpoint: tuple[P
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        hf_tokens, hf_logprobs = _hf_greedy(hf_model, prompt)
+        hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         completion = output.outputs[0]
         assert completion.token_ids == hf_tokens, f"prompt of {len(prompt)} tokens"
         assert completion.logprobs is not None
@@ -95,7 +81,7 @@ def test_the_window_changes_hf_outputs(checkpoint: tuple[Path, Any]) -> None:
     ids = torch.tensor([PROMPTS[-1]])
     with torch.no_grad():
         assert (hf_model(ids).logits - full(ids).logits).abs().max() > 1e-2
-    assert _hf_greedy(hf_model, PROMPTS[-1])[0] != _hf_greedy(full, PROMPTS[-1])[0]
+    assert hf_greedy(hf_model, PROMPTS[-1], MAX_NEW_TOKENS)[0] != hf_greedy(full, PROMPTS[-1], MAX_NEW_TOKENS)[0]
 
 
 def _run_holding(llm: LLM, request_id: str, prompt: list[int]) -> tuple[list[int], list[int]]:
@@ -125,7 +111,7 @@ def test_blocks_behind_the_window_are_released(checkpoint: tuple[Path, Any]) -> 
     llm = make_llm(path)
     assert llm.core.kv.sliding_window == WINDOW
     prompt = PROMPTS[-1]
-    hf_tokens = _hf_greedy(hf_model, prompt)[0]
+    hf_tokens = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)[0]
     tokens, held = _run_holding(llm, "first", prompt)
     assert tokens == hf_tokens
     # Chunk 1: positions 0-15 (4 blocks); chunk 2: 16-28 reads from 9 on (blocks 2-7);
@@ -151,6 +137,6 @@ def test_disaggregated_roles_hold_every_block_and_match_hf(checkpoint: tuple[Pat
     assert prefill.kv.sliding_window is None and decode.kv.sliding_window is None
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     got, _ = run_disaggregated(prefill, decode, PROMPTS[1:], params)
-    assert got == [_hf_greedy(hf_model, p)[0] for p in PROMPTS[1:]]
+    assert got == [hf_greedy(hf_model, p, MAX_NEW_TOKENS)[0] for p in PROMPTS[1:]]
     for core in (prefill, decode):
         assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
