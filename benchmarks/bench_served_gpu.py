@@ -11,7 +11,9 @@ request sent at once, `ignore_eos`. Offline runs in a process of its own. Served
 instance computing its prompts itself (what the served path costs); `disaggregated` is one
 prefill and one decode instance sharing the GPU, every prompt computed by the prefill and
 its KV handed over by --transport. Prints output tokens/s and each served run's ratio to
-offline.
+offline; then, on the same warm cluster, the median time to first token at concurrency 1
+over --ttft-prompts fresh prompts of --input-len tokens (the figure that compares a prefill
+instance's hand-off against a colocated engine computing the prompt itself).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ def engine_section(args: argparse.Namespace, stream_interval: int) -> dict:
     }
 
 
-def workload(args: argparse.Namespace) -> list[str]:
-    return ["--dataset-name", "random", "--num-prompts", str(args.num_prompts), "--tokenizer", args.tokenizer,
-            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-            "--random-range-ratio", str(args.range_ratio), "--seed", "0"]
+def workload(args: argparse.Namespace, num_prompts: int | None = None, range_ratio: float | None = None,
+             seed: int = 0) -> list[str]:
+    return ["--dataset-name", "random", "--num-prompts", str(num_prompts or args.num_prompts),
+            "--tokenizer", args.tokenizer, "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len),
+            "--random-range-ratio", str(args.range_ratio if range_ratio is None else range_ratio), "--seed", str(seed)]
 
 
 def offline(args: argparse.Namespace, tmp: Path) -> float:
@@ -64,11 +68,17 @@ def served(args: argparse.Namespace, tmp: Path, mode: str, stream_interval: int)
     path.write_text(yaml.safe_dump(config))
     name = f"served-{mode}-{stream_interval}.json"
     with LocalCluster.from_yaml(path) as cluster:
-        subprocess.run([*CLI, "bench", "serve", "--backend", "grpc", "--address", cluster.router_address,
-                        "--api-key", cluster.api_key or "", *workload(args), "--num-warmups", "8",
-                        "--num-client-processes", str(args.client_processes), "--disable-tqdm",
-                        "--save-result", "--result-dir", str(tmp), "--result-filename", name], check=True)
-    return json.loads((tmp / name).read_text())
+        bench = [*CLI, "bench", "serve", "--backend", "grpc", "--address", cluster.router_address,
+                 "--api-key", cluster.api_key or "", "--disable-tqdm", "--save-result", "--result-dir", str(tmp)]
+        subprocess.run([*bench, *workload(args), "--num-warmups", "8", "--num-client-processes",
+                        str(args.client_processes), "--result-filename", name], check=True)
+        if args.ttft_prompts:  # one request at a time, exact lengths, prompts the cluster has not seen
+            subprocess.run([*bench, *workload(args, args.ttft_prompts, 0.0, seed=1), "--max-concurrency", "1",
+                            "--num-warmups", "2", "--result-filename", "ttft-" + name], check=True)
+    run = json.loads((tmp / name).read_text())
+    if args.ttft_prompts:
+        run["ttft_c1_ms"] = json.loads((tmp / ("ttft-" + name)).read_text())["median_ttft_ms"]
+    return run
 
 
 def main() -> None:
@@ -84,6 +94,7 @@ def main() -> None:
     parser.add_argument("--modes", default="colocated", help="comma-separated: colocated, disaggregated")
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
     parser.add_argument("--transport", default="cuda_ipc", help="KV hand-off (disaggregated)")
+    parser.add_argument("--ttft-prompts", type=int, default=16, help="concurrency-1 TTFT pass (0: skip)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -92,13 +103,14 @@ def main() -> None:
                 for mode in args.modes.split(",") for k in map(int, args.stream_intervals.split(","))}
     print(f"\n{args.model}, {args.num_prompts} prompts x ({args.input_len} in / {args.output_len} out, "
           f"range ratio {args.range_ratio}), all at once; {args.client_processes} client processes\n")
-    print("| path | output tok/s | of offline | median TTFT ms | median TPOT ms |")
-    print("|---|---|---|---|---|")
-    print(f"| offline `bench throughput` (baseline) | {base:.0f} | 1.00 | - | - |")
+    print("| path | output tok/s | of offline | median TTFT ms | median TPOT ms | TTFT at concurrency 1 ms |")
+    print("|---|---|---|---|---|---|")
+    print(f"| offline `bench throughput` (baseline) | {base:.0f} | 1.00 | - | - | - |")
     for (mode, interval), run in runs.items():
         tps = run["output_throughput"]
+        ttft_c1 = f"{run['ttft_c1_ms']:.1f}" if "ttft_c1_ms" in run else "-"
         print(f"| served `bench serve`, {mode}, stream_interval {interval} | {tps:.0f} | {tps / base:.2f} | "
-              f"{run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} |")
+              f"{run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} | {ttft_c1} |")
 
 
 if __name__ == "__main__":
