@@ -31,6 +31,10 @@ class ChatOutput:
     def has_tools(self) -> bool:
         return self._tools is not None
 
+    @property
+    def has_reasoning(self) -> bool:
+        return self._splitter is not None
+
     def message(self, text: str) -> dict[str, Any]:
         reasoning, content = self._split(text, last=True)
         message: dict[str, Any] = {"role": "assistant", "content": content}

@@ -133,6 +133,8 @@ REQUEST_FIELDS: dict[str, FieldUse] = {
     "ResponsesRequest.tool_choice": _served(_TOOLS + "test_responses_function_tools"),
     "ResponsesRequest.parallel_tool_calls": _served(_TOOLS + "test_responses_function_tools"),
     "ResponsesRequest.previous_response_id": _refused(_NOT_SERVED),
+    "ResponsesRequest.text": _served(_API + "test_responses_text_format_and_reasoning_items"),
+    "ResponsesRequest.reasoning": _served(_API + "test_responses_text_format_and_reasoning_items"),
     "TokenizeRequest.model": _served(_FIELDS_TEST + "test_tokenizer_routes_check_the_model"),
     "TokenizeRequest.prompt": _served(_FIELDS_TEST + "test_tokenizer_routes_check_the_model"),
     "TokenizeRequest.messages": _served(_API + "test_tokenize_detokenize"),

@@ -298,9 +298,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class ResponsesInputMessage(_Request):
-    """An input item: a message, a function call the model made, or that call's output."""
+    """An input item: a message, a function call the model made, that call's output, or an
+    earlier turn's reasoning (dropped: chat templates leave past reasoning out of the prompt)."""
 
-    type: Literal["message", "function_call", "function_call_output"] | None = None
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] | None = None
     role: str | None = None
     content: str | list[ContentPart] | None = None
     call_id: str | None = None
@@ -308,7 +309,9 @@ class ResponsesInputMessage(_Request):
     arguments: str | None = None  # a function_call's, JSON text
     output: str | None = None  # a function_call_output's
 
-    def chat_message(self) -> ChatMessage:
+    def chat_message(self) -> ChatMessage | None:
+        if self.type == "reasoning":
+            return None
         if self.type == "function_call":
             if self.call_id is None or self.name is None:
                 raise bad_request("a function_call input item needs call_id, name and arguments", "input")
@@ -339,6 +342,8 @@ class ResponsesRequest(_Body):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: the chat template's reasoning_effort
 
     def to_chat_request(self) -> ChatCompletionRequest:
         if self.previous_response_id:
@@ -350,14 +355,34 @@ class ResponsesRequest(_Body):
         if isinstance(self.input, str):
             messages.append(ChatMessage(role="user", content=self.input))
         else:
-            messages += [m.chat_message() for m in self.input]
+            messages += [m for m in (item.chat_message() for item in self.input) if m is not None]
         if not messages:
             raise bad_request("input is empty", "input")
+        effort = (self.reasoning or {}).get("effort")
         return ChatCompletionRequest(
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, tools=from_responses_tools(self.tools),
             tool_choice=from_responses_tool_choice(self.tool_choice), parallel_tool_calls=self.parallel_tool_calls,
+            response_format=response_format_of(self.text),
+            chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None,
         )
+
+
+def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Responses API's `text.format` as chat's `response_format` (the schema sits in the
+    format itself there, not under `json_schema`)."""
+    if text is None or text.get("format") is None:
+        return None
+    fmt = text["format"]
+    if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+        raise bad_request("text.format must be an object with type 'text', 'json_object' or 'json_schema'", "text")
+    if fmt.get("type") != "json_schema":
+        return {"type": fmt.get("type", "text")}
+    if not isinstance(fmt.get("schema", {}), dict | bool):
+        raise bad_request('text.format.schema must be a JSON schema object: {"type": "json_schema", "name": ..., '
+                          '"schema": {...}}', "text")
+    schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema", {})}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 class TokenizeRequest(_Body):

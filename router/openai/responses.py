@@ -1,16 +1,19 @@
 """The Responses API's shapes (/v1/responses): the response object, its output items (a
-message, and a `function_call` per tool call), and the typed server-sent events a streamed
-response is made of, from a job's one choice.
+`reasoning` item when the reasoning parser found any, a message, and a `function_call` per
+tool call), and the typed server-sent events a streamed response is made of, from a job's
+one choice.
 
-Streamed, a request without tools opens its message item at once; with tools, each item
-opens when its first piece arrives (text: the message; a call: its function_call item,
-whose arguments follow as `response.function_call_arguments.delta` events), and all close
-at the end, in the order they opened. The final response holds the same items."""
+Streamed, a request with neither tools nor a reasoning parser opens its message item at
+once; otherwise each item opens when its first piece arrives (reasoning: its reasoning item,
+whose text follows as `response.reasoning_text.delta` events; text: the message; a call: its
+function_call item, whose arguments follow as `response.function_call_arguments.delta`
+events), and all close at the end, in the order they opened. The final response holds the
+same items. `usage.output_tokens_details.reasoning_tokens` counts the reasoning text's tokens."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +25,8 @@ if TYPE_CHECKING:
     from vllm_cluster.router.openai.serving import _Job as Job
 
 
-def response_object(job: Job, body: ResponsesRequest, status: str, items: list[dict[str, Any]] | None = None
-                    ) -> dict[str, Any]:
+def response_object(job: Job, body: ResponsesRequest, status: str, items: list[dict[str, Any]] | None = None,
+                    reasoning_tokens: int = 0) -> dict[str, Any]:
     c = job.choices[0]
     if status != "in_progress" and c.finish_reason == "length":
         status = "incomplete"
@@ -31,7 +34,7 @@ def response_object(job: Job, body: ResponsesRequest, status: str, items: list[d
     if c.usage is not None:
         usage = {
             "input_tokens": c.usage.prompt_tokens, "input_tokens_details": {"cached_tokens": c.usage.cached_tokens},
-            "output_tokens": c.usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": c.usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens,
         }
     return {
@@ -42,14 +45,14 @@ def response_object(job: Job, body: ResponsesRequest, status: str, items: list[d
         "temperature": body.temperature, "top_p": body.top_p,
         "parallel_tool_calls": bool(body.tools) and body.parallel_tool_calls is not False,
         "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "metadata": {},
-        "text": {"format": {"type": "text"}},
+        "text": body.text if body.text and body.text.get("format") else {"format": {"type": "text"}},
     }
 
 
 def output_items(job: Job, message: dict[str, Any]) -> list[dict[str, Any]]:
     """A chat message (chat_output.ChatOutput.message) as output items."""
     calls = message.get("tool_calls") or []
-    items = []
+    items = [reasoning_item(job, message["reasoning_content"], "completed")] if message.get("reasoning_content") else []
     if message["content"] or not calls:
         items.append(response_message(job, message["content"] or "", "completed"))
     items += [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
@@ -62,6 +65,11 @@ def response_message(job: Job, text: str, status: str) -> dict[str, Any]:
         [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
     )
     return {"id": f"msg_{job.id[5:]}", "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def reasoning_item(job: Job, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"id": f"rs_{job.id[5:]}", "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -78,6 +86,8 @@ class _Events:
         self.items: list[dict[str, Any]] = []
         self.message_index: int | None = None
         self.text = ""
+        self.reasoning_index: int | None = None
+        self.reasoning = ""
         self.call_indexes: dict[int, int] = {}  # a call's index -> its item's output index
 
     def event(self, kind: str, **data: Any) -> str:
@@ -97,6 +107,16 @@ class _Events:
 
     def delta(self, delta: dict[str, Any]) -> list[str]:
         events = []
+        if delta.get("reasoning_content"):
+            if self.reasoning_index is None:
+                self.reasoning_index = len(self.items)
+                self.items.append(reasoning_item(self.job, "", "in_progress"))
+                events.append(self.event("response.output_item.added", output_index=self.reasoning_index,
+                                         item=dict(self.items[-1])))
+            self.reasoning += delta["reasoning_content"]
+            events.append(self.event("response.reasoning_text.delta", item_id=self.items[self.reasoning_index]["id"],
+                                     output_index=self.reasoning_index, content_index=0,
+                                     delta=delta["reasoning_content"]))
         if delta.get("content"):
             if self.message_index is None:
                 events += self.open_message()
@@ -123,6 +143,10 @@ class _Events:
                 events += [self.event("response.output_text.done", **self.where(), text=self.text, logprobs=[]),
                            self.event("response.content_part.done", **self.where(), part=part)]
                 self.items[k] = response_message(self.job, self.text, "completed")
+            elif item["type"] == "reasoning":
+                events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=k,
+                                         content_index=0, text=self.reasoning))
+                self.items[k] = reasoning_item(self.job, self.reasoning, "completed")
             else:
                 events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                          output_index=k, arguments=item["arguments"]))
@@ -132,12 +156,13 @@ class _Events:
 
 
 async def response_events(
-    job: Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None], output: ChatOutput
+    job: Job, body: ResponsesRequest, pieces: AsyncGenerator[Piece, None], output: ChatOutput,
+    count_tokens: Callable[[str], int],
 ) -> AsyncGenerator[str, None]:
     events = _Events(job)
     yield events.event("response.created", response=response_object(job, body, "in_progress"))
     yield events.event("response.in_progress", response=response_object(job, body, "in_progress"))
-    if not output.has_tools:
+    if not output.has_tools and not output.has_reasoning:
         for e in events.open_message():
             yield e
     async with aclosing(pieces):
@@ -149,4 +174,5 @@ async def response_events(
             yield e
     for e in events.close():
         yield e
-    yield events.event("response.completed", response=response_object(job, body, "completed", events.items))
+    yield events.event("response.completed", response=response_object(job, body, "completed", events.items,
+                                                                       count_tokens(events.reasoning)))

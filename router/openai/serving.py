@@ -197,13 +197,15 @@ class OpenAIServing:
         parser = tools.parser(self.tool_call_parser, self.enable_auto_tool_choice)
         prompt = self._encode_chat(chat.chat(), True, None, tools.template_tools)
         job = self._job(f"resp_{request_id}", chat, [prompt], params)
-        output = ChatOutput("", parser, tools.parallel)  # reasoning stays in the text, as before tools
+        output = ChatOutput(self.reasoning_parser, parser, tools.parallel)
         if body.stream:
             return await self._start_stream(
-                job, lambda pieces: response_events(job, body, pieces, output), done_marker=False
+                job, lambda pieces: response_events(job, body, pieces, output, self._count_tokens), done_marker=False
             )
         await self._collect(job)
-        return response_object(job, body, "completed", output_items(job, output.message(job.choices[0].text)))
+        message = output.message(job.choices[0].text)
+        return response_object(job, body, "completed", output_items(job, message),
+                               self._count_tokens(message.get("reasoning_content") or ""))
 
     # ---- tokenizer routes
 
@@ -232,6 +234,9 @@ class OpenAIServing:
         routes: every adapter shares the base model's tokenizer)."""
         if model and model != self.model_name and model not in {c.id for c in await self.backend.list_models()}:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False)) if text and self.tokenizer else 0
 
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -8,8 +8,6 @@ they go in `extra_body`, as the server reads them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,12 +26,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster.from_yaml(Path(__file__).with_name("colocated_cluster.yaml"))
-    local.api_key = KEY
-    local.log_dir = tmp_path_factory.mktemp("anthropic-cluster")
-    with local:
-        yield local
+def cluster(colocated_cluster: LocalCluster) -> LocalCluster:
+    return colocated_cluster
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ test_openai_errors.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
 from typing import Any
 
 import pytest
@@ -17,7 +17,6 @@ from tests.integration.openai_support import (
     MODEL,
     assert_envelope,
     http,
-    start_cluster,
 )
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.engine import LLM, SamplingParams
@@ -27,8 +26,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from start_cluster(tmp_path_factory, "openai-cluster")
+def cluster(openai_cluster: LocalCluster) -> LocalCluster:
+    return openai_cluster
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +162,55 @@ def test_responses_api(client: Any) -> None:
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert "response.output_text.delta" in kinds
     assert final.output_text == reply.output_text
+
+
+def test_responses_text_format_and_reasoning_items(client: Any, cluster: LocalCluster) -> None:
+    """`text.format` constrains a response as chat's response_format does (same tokens); with
+    a reasoning parser the reasoning is a `reasoning` output item, whole and streamed
+    (`response.reasoning_text.delta`), counted in reasoning_tokens, and an earlier turn's
+    items, reasoning included, go back in as input."""
+    from tests.integration.openai_support import start_front
+    from vllm_cluster.engine.loader import bundled_model_path
+    from vllm_cluster.engine.tokenizer import load_tokenizer
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    reply = client.responses.create(
+        model=MODEL, input="Name a city.", max_output_tokens=40, temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a city."}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
+    assert set(json.loads(reply.output_text)) == {"city"}
+    assert reply.output_text == chat.choices[0].message.content and reply.text.format.type == "json_schema"
+    with pytest.raises(openai.BadRequestError, match="text.format"):
+        client.responses.create(model=MODEL, input="hi", text={"format": {"type": "xml"}})
+
+    # deepseek_r1: everything before </think> is reasoning; SmolLM2 never closes it.
+    with start_front(cluster.router_address, tokenizer=load_tokenizer(bundled_model_path()),
+                     reasoning_parser="deepseek_r1") as front:
+        thinking = openai.OpenAI(base_url=f"{front.http_address}/v1", api_key=KEY, max_retries=0)
+        args = {"model": MODEL, "input": "What is the capital of France?", "max_output_tokens": 12,
+                "temperature": 0, "reasoning": {"effort": "low"}}
+        whole = thinking.responses.create(**args)
+        chat = thinking.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+        with thinking.responses.stream(**args) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+        follow_up = thinking.responses.create(
+            model=MODEL, max_output_tokens=4, temperature=0,
+            input=[{"role": "user", "content": "What is the capital of France?"},
+                   *[item.model_dump(exclude_none=True) for item in whole.output],
+                   {"role": "user", "content": "And of Spain?"}],
+        )
+    expected = chat.choices[0].message.model_extra["reasoning_content"]
+    for response in (whole, final):
+        assert response.output[0].type == "reasoning" and response.output[0].content[0].text == expected
+        assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    assert follow_up.status in ("completed", "incomplete")
 
 
 def test_models(client: Any) -> None:

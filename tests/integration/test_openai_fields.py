@@ -8,12 +8,11 @@ from __future__ import annotations
 import copy
 import json
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.integration.openai_support import KEY, MODEL, assert_envelope, http, start_cluster
+from tests.integration.openai_support import KEY, MODEL, assert_envelope, http
 from vllm_cluster.client import Client
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.engine import LLM, SamplingParams
@@ -25,8 +24,8 @@ CHAT = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from start_cluster(tmp_path_factory, "openai-fields-cluster")
+def cluster(openai_cluster: LocalCluster) -> LocalCluster:
+    return openai_cluster
 
 
 def _completion(cluster: LocalCluster, **fields: Any) -> dict[str, Any]:

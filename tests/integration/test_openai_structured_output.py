@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -22,7 +20,6 @@ from tests.integration.openai_support import (
     assert_blocks_return,
     assert_envelope,
     http,
-    start_cluster,
 )
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.engine import LLM, SamplingParams
@@ -45,17 +42,13 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "city", "schema": 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from start_cluster(tmp_path_factory, "openai-structured")
+def cluster(openai_cluster: LocalCluster) -> LocalCluster:
+    return openai_cluster
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster.from_yaml(Path(__file__).with_name("colocated_cluster.yaml"))
-    local.api_key = KEY
-    local.log_dir = tmp_path_factory.mktemp("openai-structured-colocated")
-    with local:
-        yield local
+def colocated(colocated_cluster: LocalCluster) -> LocalCluster:
+    return colocated_cluster
 
 
 @pytest.fixture(scope="module")

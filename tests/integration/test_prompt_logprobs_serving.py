@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.integration.openai_support import CHAT, KEY, MODEL, assert_envelope, http, start_cluster
+from tests.integration.openai_support import CHAT, KEY, MODEL, assert_envelope, http
 from vllm_cluster.client import Client
 from vllm_cluster.cluster.local import LocalCluster
 from vllm_cluster.engine import LLM, SamplingParams
@@ -27,7 +26,6 @@ from vllm_cluster.engine.outputs import RequestOutput
 
 pytestmark = pytest.mark.slow
 
-COLOCATED = Path(__file__).with_name("colocated_cluster.yaml")
 PROMPTS = [
     "The capital of France is Paris, and the capital of Germany is",
     "Once upon a time, in a land far away, there lived a small dragon who loved to read books. " * 2,
@@ -37,16 +35,13 @@ MAX_TOKENS = 3
 
 
 @pytest.fixture(scope="module")
-def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from start_cluster(tmp_path_factory, "prompt-logprobs-disaggregated")
+def disaggregated(openai_cluster: LocalCluster) -> LocalCluster:
+    return openai_cluster
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster.from_yaml(COLOCATED)
-    local.log_dir = tmp_path_factory.mktemp("prompt-logprobs-colocated")
-    with local:
-        yield local
+def colocated(colocated_cluster: LocalCluster) -> LocalCluster:
+    return colocated_cluster
 
 
 @pytest.fixture(scope="module")
