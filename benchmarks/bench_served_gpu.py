@@ -39,6 +39,7 @@ def engine_section(args: argparse.Namespace, stream_interval: int) -> dict:
         "device": args.device,
         "stream_interval": stream_interval,
         "cache": {"enable_prefix_caching": False},  # random prompts: no hits, no hashing either
+        **({"scheduler": {"max_model_len": args.max_model_len}} if args.max_model_len else {}),
     }
 
 
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--modes", default="colocated", help="comma-separated: colocated, disaggregated")
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
     parser.add_argument("--transport", default="cuda_ipc", help="KV hand-off (disaggregated)")
+    parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's own (two instances on one "
+                        "GPU may not hold llama-3.1-8b's 131,072 tokens each)")
     parser.add_argument("--ttft-prompts", type=int, default=16, help="concurrency-1 TTFT pass (0: skip)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:

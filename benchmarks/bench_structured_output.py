@@ -62,7 +62,8 @@ def build(args: argparse.Namespace) -> LLM:
                    num_blocks=256, max_model_len=1024, max_num_batched_tokens=256)
     llm = LLM(args.preset, load_format="dummy", device="cuda", max_num_seqs=args.batch)
     core = llm.core
-    core.grammars = GrammarCache(lambda: load_tokenizer(bundled_model_path()), core.vocab_size, core.eos_token_id)
+    tokenizer = args.tokenizer or bundled_model_path()
+    core.grammars = GrammarCache(lambda: load_tokenizer(tokenizer), core.vocab_size, core.eos_token_id)
     return llm
 
 
@@ -89,6 +90,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--tokenizer", default="", help="the grammar's tokenizer (default: the bundled SmolLM2's; "
+                        "its HF directory, saved with save_pretrained, does as well)")
     parser.add_argument("--tiny", action="store_true", help="SmolLM2 on CPU, batch 4, 24 tokens: a quick check")
     args = parser.parse_args()
     if args.tiny:
