@@ -19,6 +19,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,7 +63,7 @@ def build(args: argparse.Namespace) -> LLM:
                    num_blocks=256, max_model_len=1024, max_num_batched_tokens=256)
     llm = LLM(args.preset, load_format="dummy", device="cuda", max_num_seqs=args.batch)
     core = llm.core
-    tokenizer = args.tokenizer or bundled_model_path()
+    tokenizer = Path(args.tokenizer) if args.tokenizer else bundled_model_path()
     core.grammars = GrammarCache(lambda: load_tokenizer(tokenizer), core.vocab_size, core.eos_token_id)
     return llm
 

@@ -7,7 +7,9 @@ A block is in exactly one of three states:
   - free and empty: ref_cnt == 0, block_hash None.
 Free blocks wait in one LRU queue; allocation takes from its head, so the least recently
 freed cached block is evicted first. Requests free their blocks tail-first, so a prefix's
-last blocks go before its first ones.
+last blocks go before its first ones. The blocks one allocation takes are returned in
+ascending id order: a request's blocks, freed tail-first, come back as ascending runs of
+consecutive ids, and the KV transports copy a run at a time.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class BlockPool:
         return list(self._cached)
 
     def allocate(self, num_blocks: int) -> list[BlockId]:
-        """Take `num_blocks` free blocks (evicting cached ones, LRU first); ref_cnt becomes 1."""
+        """Take `num_blocks` free blocks (evicting cached ones, LRU first), in ascending id order;
+        ref_cnt becomes 1."""
         if num_blocks > len(self._free):
             raise ValueError(f"cannot allocate {num_blocks} blocks, {len(self._free)} free")
         block_ids = []
@@ -74,6 +77,7 @@ class BlockPool:
             block_ids.append(block_id)
         if evicted and self.on_removed is not None:
             self.on_removed(evicted)
+        block_ids.sort()
         return block_ids
 
     def touch(self, block_ids: Iterable[BlockId]) -> None:

@@ -8,10 +8,13 @@ Lifecycle of a transfer:
      sends `Handshake{layout}`; the receiver answers `HandshakeReply` and, when accepted,
      `CudaIpcExport` (one IPC handle per layer). The sender maps those tensors once.
   2. `expect(tid, block_ids)` on the receiver marks the transfer PENDING.
-  3. `push_layer` on the sender queues the copies of each run of blocks on its copy
-     stream, after an event recorded on the compute stream (the layer's KV is written).
-  4. A notifier thread waits for the copies, sends one `KVChunkHeader` per run ("landed"),
-     and counts the sends done (`wait` on the sender returns DONE).
+  3. `push_layer` on the sender queues the copies on its copy stream, after an event
+     recorded on the compute stream (the layer's KV is written): one copy per run of
+     blocks consecutive on both sides, or, when the blocks fall into more than a few runs,
+     one gather and one scatter for the whole layer.
+  4. A notifier thread waits for the copies, sends one `KVChunkHeader` per run of
+     destination blocks ("landed"; all of a layer's in one write), and counts the sends
+     done (`wait` on the sender returns DONE).
   5. The receiver marks each landed run; once all have, the transfer is DONE.
   6. `cancel(tid)` of a PENDING transfer asks every connected sender to stop writing for
      it and waits for their acknowledgement (sent after their copy stream drained), so
@@ -26,7 +29,6 @@ import contextlib
 import logging
 import queue
 import socket
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,15 +43,17 @@ from vllm_cluster.kv_transfer.base import (
     handshake_message,
     parse_endpoint,
 )
+from vllm_cluster.kv_transfer.cuda_ipc_wire import FRAME, dst_runs, export_tensor, import_tensor, read_frame
 from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
 from vllm_cluster.proto import kv_transfer_pb2 as kvpb
 
 logger = logging.getLogger(__name__)
 
 _HANDSHAKE, _REPLY, _EXPORT, _LANDED, _CANCEL, _CANCEL_ACK = range(1, 7)
-_FRAME = struct.Struct("<BI")
+_FRAME = FRAME
 _CANCEL_TIMEOUT_S = 10.0
 _MAX_CANCELLED = 4096
+_MAX_RUN_COPIES = 4  # more runs in a layer than this: one gather + one scatter instead
 
 
 def _send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
@@ -78,39 +82,6 @@ def _shut(sock: socket.socket) -> None:
     sock.close()
 
 
-def _export(tensor: torch.Tensor) -> kvpb.CudaIpcTensor:
-    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
-        tensor.untyped_storage()._share_cuda_()
-    )
-    return kvpb.CudaIpcTensor(
-        device=device,
-        handle=handle,
-        storage_size_bytes=size_bytes,
-        storage_offset_bytes=offset_bytes,
-        ref_counter_handle=ref_handle,
-        ref_counter_offset=ref_offset,
-        event_handle=event_handle or b"",
-        event_sync_required=event_sync,
-        tensor_offset=int(tensor.storage_offset()),
-    )
-
-
-def _import(msg: kvpb.CudaIpcTensor, like: torch.Tensor) -> torch.Tensor:
-    """The receiver's tensor, mapped here; shaped and typed like our own cache layer."""
-    storage = torch.UntypedStorage._new_shared_cuda(
-        msg.device,
-        msg.handle,
-        msg.storage_size_bytes,
-        msg.storage_offset_bytes,
-        msg.ref_counter_handle,
-        msg.ref_counter_offset,
-        msg.event_handle or None,
-        msg.event_sync_required,
-    )
-    out = torch.empty(0, dtype=like.dtype, device=torch.device("cuda", msg.device))
-    return out.set_(storage, msg.tensor_offset, like.shape, like.stride())
-
-
 # --------------------------------------------------------------------------- receiver
 
 
@@ -136,7 +107,7 @@ class CudaIpcReceiver:
             )
         self._table = ReceiveTable(kv_caches, layout, cluster_token)
         self._export = kvpb.CudaIpcExport(
-            layers=[_export(t) for t in kv_caches]
+            layers=[export_tensor(t) for t in kv_caches]
         ).SerializeToString()
         self._server = socket.create_server((host, port))
         self.endpoint = f"cuda_ipc://{host}:{self._server.getsockname()[1]}"
@@ -210,8 +181,9 @@ class CudaIpcReceiver:
                 _send_frame(conn.sock, _EXPORT, self._export)
             with self._lock:
                 self._conns.append(conn)
+            reader = conn.sock.makefile("rb")
             while True:
-                kind, payload = _recv_frame(conn.sock)
+                kind, payload = read_frame(reader)
                 if kind == _LANDED:
                     header = kvpb.KVChunkHeader.FromString(payload)
                     self._table.check_header(header)
@@ -255,7 +227,7 @@ class _Peer:
         export = kvpb.CudaIpcExport.FromString(payload)
         self.sock.settimeout(None)
         self.remote = [
-            _import(msg, like) for msg, like in zip(export.layers, kv_caches, strict=True)
+            import_tensor(msg, like) for msg, like in zip(export.layers, kv_caches, strict=True)
         ]
 
 
@@ -274,6 +246,7 @@ class CudaIpcSender:
         self._lock = threading.Lock()
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # the latest cancels only
         self._stream = torch.cuda.Stream(kv_caches[0].device)
+        self._indices: tuple[str, list[int], list[int], torch.Tensor, torch.Tensor] | None = None
         self._landed: queue.Queue[
             tuple[_Peer, str, list[kvpb.KVChunkHeader], torch.cuda.Event] | None
         ] = queue.Queue()
@@ -301,17 +274,37 @@ class CudaIpcSender:
                     transfer_id, f"transfer {transfer_id!r} was cancelled by the receiver"
                 )
                 return
+            headers = [c.header for c in chunks]
+            whole = sum(h.num_blocks for h in headers) == len(src_block_ids)  # no chunk dropped by a fault
             with torch.cuda.stream(self._stream):
                 if chunks and chunks[0].ready is not None:
                     self._stream.wait_event(chunks[0].ready)
-                for chunk in chunks:
-                    h = chunk.header
-                    peer.remote[layer][h.dst_block_start : h.dst_block_start + h.num_blocks].copy_(
-                        chunk.payload, non_blocking=True
-                    )
+                if len(chunks) > _MAX_RUN_COPIES and whole:
+                    src, dst = self._index_tensors(transfer_id, src_block_ids, dst_block_ids)
+                    peer.remote[layer].index_copy_(0, dst, self._kv_caches[layer].index_select(0, src))
+                    headers = dst_runs(headers[0], dst_block_ids)
+                else:
+                    for chunk in chunks:
+                        h = chunk.header
+                        peer.remote[layer][h.dst_block_start : h.dst_block_start + h.num_blocks].copy_(
+                            chunk.payload, non_blocking=True
+                        )
                 done = torch.cuda.Event()
                 done.record(self._stream)
-        self._landed.put((peer, transfer_id, [c.header for c in chunks], done))
+        self._landed.put((peer, transfer_id, headers, done))
+
+    def _index_tensors(
+        self, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The push's block ids on the device, made once for all its layers (on the copy stream)."""
+        cached = self._indices
+        if cached is None or cached[:3] != (transfer_id, src_block_ids, dst_block_ids):
+            device = self._kv_caches[0].device
+            cached = (transfer_id, list(src_block_ids), list(dst_block_ids),
+                      torch.tensor(src_block_ids, dtype=torch.long, device=device),
+                      torch.tensor(dst_block_ids, dtype=torch.long, device=device))
+            self._indices = cached
+        return cached[3], cached[4]
 
     def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
         return self._table.wait(transfer_id, timeout_s)
@@ -344,9 +337,12 @@ class CudaIpcSender:
             peer, transfer_id, headers, done = item
             done.synchronize()
             try:
+                frames = []
+                for header in headers:
+                    payload = header.SerializeToString()
+                    frames += [_FRAME.pack(_LANDED, len(payload)), payload]
                 with peer.lock:
-                    for header in headers:
-                        _send_frame(peer.sock, _LANDED, header.SerializeToString())
+                    peer.sock.sendall(b"".join(frames))
                 self._table.done(transfer_id)
             except OSError as e:
                 self._table.fail(transfer_id, f"lost the connection to the receiver: {e}")

@@ -78,14 +78,23 @@ def test_blocks_freed_first_are_allocated_first() -> None:
     pool.allocate(4)
     pool.free(_ids(2, 0))
     pool.free(_ids(3, 1))
-    assert pool.allocate(4) == [2, 0, 3, 1]
+    assert pool.allocate(2) == [0, 2]
+    assert pool.allocate(1) == [3]
 
 
 def test_free_blocks_queue_behind_never_used_ones() -> None:
     pool = BlockPool(4)
     pool.allocate(2)
     pool.free(_ids(1, 0))
-    assert pool.allocate(4) == [2, 3, 1, 0]
+    assert pool.allocate(2) == [2, 3]
+    assert pool.allocate(1) == [1]
+
+
+def test_a_request_freed_tail_first_comes_back_as_one_ascending_run() -> None:
+    pool = BlockPool(8)
+    table = pool.allocate(5)
+    pool.free(reversed(table))
+    assert pool.allocate(5) == [3, 4, 5, 6, 7] and pool.allocate(3) == [0, 1, 2]
 
 
 def test_request_blocks_are_freed_tail_first() -> None:
@@ -96,7 +105,7 @@ def test_request_blocks_are_freed_tail_first() -> None:
     assert kv.get_block_table(request.request_id) == [0, 1, 2]
     kv.free(request)
     # Block 3 was never used; then the request's tail (2) goes before its head (0).
-    assert kv.pool.allocate(4) == [3, 2, 1, 0]
+    assert [kv.pool.allocate(1)[0] for _ in range(4)] == [3, 2, 1, 0]
 
 
 def test_touch_revives_a_cached_free_block() -> None:
@@ -111,7 +120,7 @@ def test_touch_revives_a_cached_free_block() -> None:
     assert pool.num_free_blocks == 3
     assert _ref_cnts(pool) == [1, 0, 0, 0]
     # Block 0 left the free queue: allocation skips it.
-    assert pool.allocate(3) == [2, 3, 1]
+    assert [pool.allocate(1)[0] for _ in range(3)] == [2, 3, 1]
     assert pool.get_cached(h[0]) == 0
     assert pool.blocks[0].block_hash == h[0]
 
@@ -157,8 +166,8 @@ def test_on_removed_receives_all_evicted_hashes_of_one_allocation() -> None:
     pool.allocate(3)
     pool.cache_blocks(_ids(0, 1, 2), h)
     pool.free(_ids(2, 1, 0))
-    assert pool.allocate(2) == [2, 1]
-    assert removed == [[h[2], h[1]]]
+    assert pool.allocate(2) == [1, 2]  # the LRU two, in id order
+    assert removed == [[h[2], h[1]]]  # in eviction order, in one call
 
 
 def test_caching_disabled_stores_nothing() -> None:

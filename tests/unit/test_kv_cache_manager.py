@@ -124,8 +124,8 @@ def test_prefix_hits_revive_freed_blocks() -> None:
     assert kv.pool.num_free_blocks == 4
     b = _request("b", PROMPT[:8] + [7, 7, 7, 7, 7])  # 13 tokens: 2 hits + 2 new blocks
     _prefill(kv, b)
-    # The two new blocks come from the free queue head: never-used 3, then a's tail 2.
-    assert kv.get_block_table(b.request_id) == [0, 1, 3, 2]
+    # The two new blocks come from the free queue head (never-used 3, then a's tail 2), in id order.
+    assert kv.get_block_table(b.request_id) == [0, 1, 2, 3]
     assert kv.pool.get_cached(a.block_hashes[2]) is None
     assert kv.pool.num_free_blocks == 0
 

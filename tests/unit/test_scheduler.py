@@ -138,7 +138,7 @@ def test_newest_running_request_is_preempted_and_resumes() -> None:
     assert _summary(fifth) == [("b", 5, True)]
     assert fifth.scheduled[0].token_ids == [4, 5, 6, TOKEN, TOKEN]
     assert fifth.scheduled[0].num_computed_tokens == 0
-    assert fifth.scheduled[0].new_block_ids == [1, 0]
+    assert fifth.scheduled[0].new_block_ids == [0, 1]
     assert b.status == RequestStatus.RUNNING
     _step(scheduler)
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED

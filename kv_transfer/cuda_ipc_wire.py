@@ -1,0 +1,74 @@
+"""What the cuda_ipc backend puts on its control connection besides frames: CUDA IPC
+handles of the receiver's cache layers (made there, mapped by the sender), and the
+"landed" notices of a layer's copies, read in bulk."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import BinaryIO
+
+import torch
+
+from vllm_cluster.proto import kv_transfer_pb2 as kvpb
+
+FRAME = struct.Struct("<BI")  # 1 byte kind, 4 bytes little-endian length, then the payload
+
+
+def read_frame(reader: BinaryIO) -> tuple[int, bytes]:
+    """A frame from a buffered reader of the socket (a layer's landed notices come in one
+    write: one read for all of them, not two per frame)."""
+    head = reader.read(FRAME.size)
+    if len(head) < FRAME.size:
+        raise ConnectionError("peer closed the connection")
+    kind, length = FRAME.unpack(head)
+    payload = reader.read(length)
+    if len(payload) < length:
+        raise ConnectionError("peer closed the connection")
+    return kind, payload
+
+
+def dst_runs(header: kvpb.KVChunkHeader, dst_block_ids: Sequence[int]) -> list[kvpb.KVChunkHeader]:
+    """Landed notices for these destination blocks: one per run of consecutive ids, in the
+    fields of `header` (a chunk header of the same transfer and layer)."""
+    block_bytes = header.num_bytes // header.num_blocks
+    ids = sorted(dst_block_ids)
+    starts = [0, *(i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1)]
+    runs = []
+    for start, end in zip(starts, [*starts[1:], len(ids)], strict=True):
+        runs.append(kvpb.KVChunkHeader(transfer_id=header.transfer_id, layer=header.layer, dst_block_start=ids[start],
+                                       num_blocks=end - start, num_bytes=(end - start) * block_bytes))
+    return runs
+
+
+def export_tensor(tensor: torch.Tensor) -> kvpb.CudaIpcTensor:
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
+        tensor.untyped_storage()._share_cuda_()
+    )
+    return kvpb.CudaIpcTensor(
+        device=device,
+        handle=handle,
+        storage_size_bytes=size_bytes,
+        storage_offset_bytes=offset_bytes,
+        ref_counter_handle=ref_handle,
+        ref_counter_offset=ref_offset,
+        event_handle=event_handle or b"",
+        event_sync_required=event_sync,
+        tensor_offset=int(tensor.storage_offset()),
+    )
+
+
+def import_tensor(msg: kvpb.CudaIpcTensor, like: torch.Tensor) -> torch.Tensor:
+    """The receiver's tensor, mapped here; shaped and typed like our own cache layer."""
+    storage = torch.UntypedStorage._new_shared_cuda(
+        msg.device,
+        msg.handle,
+        msg.storage_size_bytes,
+        msg.storage_offset_bytes,
+        msg.ref_counter_handle,
+        msg.ref_counter_offset,
+        msg.event_handle or None,
+        msg.event_sync_required,
+    )
+    out = torch.empty(0, dtype=like.dtype, device=torch.device("cuda", msg.device))
+    return out.set_(storage, msg.tensor_offset, like.shape, like.stride())
