@@ -1,0 +1,188 @@
+"""Multi-head latent attention (MLA) decode over the paged latent cache, in Triton: the
+absorbed form, where every query head attends over the same cache entries (one token's
+[latent (R) | rotary key (P)]), the key being the whole entry and the value its latent.
+The caller folds W_UK into the query beforehand and applies W_UV to the output
+(engine/models/deepseek.py); kernels/attention/mla_torch.py is the definition this is
+tested against.
+
+1. `mla_decode_kernel`, grid (B, cdiv(H, BLOCK_H), num_splits): a block of BLOCK_H heads of
+   one sequence walks its share of the context (split-K) in tiles of TILE_N tokens. Each
+   tile of entries is read once for all BLOCK_H heads: scores [BLOCK_H, TILE_N] are
+   q_latent @ latent^T + q_rope @ rope^T, two tensor-core dots, then an online softmax and
+   acc [BLOCK_H, R] += p @ latent. Bytes read: the context's entries, once per head block.
+2. With more than one split, `combine_splits_kernel` (kernels/attention/triton_decode_combine.py)
+   merges the partials, as the standard decode attention does.
+
+`write_latent_cache` stores the new tokens' entries (slot -1, a CUDA-graph padding row,
+writes nothing). No host sync anywhere: a CUDA graph captures both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_cluster.kernels.attention.triton_decode import _num_sms, choose_num_splits
+from vllm_cluster.kernels.attention.triton_decode_combine import combine_splits_kernel
+
+
+@triton.jit
+def mla_decode_kernel(
+    q_ptr,  # [B, H, R + P]
+    cache_ptr,  # [num_blocks, 1, BLOCK_SIZE, 1, R + P]
+    block_tables_ptr,  # [B, max_num_blocks]
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, H, R]
+    part_max_ptr,  # [B, H, NUM_SPLITS]
+    part_sum_ptr,  # [B, H, NUM_SPLITS]
+    part_acc_ptr,  # [B, H, NUM_SPLITS, R]
+    scale_log2,
+    num_heads,
+    stride_q_seq,
+    stride_q_head,
+    stride_out_seq,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_table,
+    LATENT: tl.constexpr,  # R, a power of two
+    ROPE: tl.constexpr,  # P
+    ROPE_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    dims = tl.arange(0, LATENT)
+    rope_dims = tl.arange(0, ROPE_PAD)
+    rope_ok = rope_dims < ROPE
+
+    q_rows = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head
+    q_latent = tl.load(q_rows + dims[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, R]
+    q_rope = tl.load(q_rows + LATENT + rope_dims[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
+    offs = tl.arange(0, TILE_N)
+    for tile in range(start, end, TILE_N):
+        toks = tile + offs
+        tok_ok = toks < end
+        blocks = tl.load(block_tables_ptr + seq * stride_table + toks // BLOCK_SIZE, mask=tok_ok, other=0)
+        rows = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_tok
+        latent = tl.load(rows[:, None] + dims[None, :], mask=tok_ok[:, None], other=0.0)  # [TILE_N, R]
+        rope = tl.load(rows[:, None] + LATENT + rope_dims[None, :], mask=tok_ok[:, None] & rope_ok[None, :], other=0.0)
+        scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)  # [BLOCK_H, TILE_N]
+        scores = tl.where(tok_ok[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))  # finite: every tile holds a token of the split
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+        m = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        out_ptrs = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_max_ptr + part, m, mask=head_ok)
+        tl.store(part_sum_ptr + part, total, mask=head_ok)
+        tl.store(part_acc_ptr + part[:, None] * LATENT + dims[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
+def write_latent_kernel(
+    entry_ptr, cache_ptr, slot_mapping_ptr, stride_entry, stride_cache_block, stride_cache_tok,
+    WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:
+        dims = tl.arange(0, WIDTH_PAD)
+        values = tl.load(entry_ptr + token * stride_entry + dims, mask=dims < WIDTH)
+        dest = cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_tok
+        tl.store(dest + dims, values.to(cache_ptr.dtype.element_ty), mask=dims < WIDTH)
+
+
+def write_latent_cache(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """entry: [T, R + P] into the slots of slot_mapping [T]; slot -1 writes nothing."""
+    num_tokens, width = entry.shape
+    assert latent_cache.shape[-1] == width and latent_cache.is_contiguous() and entry.stride(1) == 1
+    write_latent_kernel[(num_tokens,)](
+        entry, latent_cache, slot_mapping, entry.stride(0), latent_cache.stride(0), latent_cache.stride(2),
+        WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width), BLOCK_SIZE=latent_cache.shape[2],
+    )  # fmt: skip
+
+
+def mla_decode_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_h: int = 32,
+    tile_n: int = 32,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """q: [B, H, R + P] (W_UK folded in, the rotary part rotated), one new token per sequence
+    -> [B, H, R] in q's dtype. latent_cache: [num_blocks, 1, block_size, 1, R + P],
+    contiguous, q's dtype; seq_lens [B] (0: a padding row, zeros out). `max_seq_len` only
+    steers the automatic `num_splits`: pass the same value at CUDA-graph capture and replay."""
+    batch_size, num_heads, width = q.shape
+    _, planes, block_size, kv_heads, cache_width = latent_cache.shape
+    assert planes == 1 and kv_heads == 1 and cache_width == width, (latent_cache.shape, q.shape)
+    assert latent_dim & (latent_dim - 1) == 0 and latent_dim >= 16, f"latent dim {latent_dim}: a power of two >= 16"
+    assert latent_cache.is_contiguous() and q.stride(-1) == 1 and latent_cache.dtype == q.dtype
+    rope_dim = width - latent_dim
+    block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
+    num_head_blocks = triton.cdiv(num_heads, block_h)
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(batch_size, num_head_blocks, max_seq_len, _num_sms(q.device))
+    out = q.new_empty(batch_size, num_heads, latent_dim)
+    if num_splits == 1:
+        part_max = part_sum = part_acc = out  # not read
+    else:
+        part_max = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(batch_size, num_heads, num_splits, latent_dim, dtype=torch.float32, device=q.device)
+    mla_decode_kernel[(batch_size, num_head_blocks, num_splits)](
+        q, latent_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
+        scale * math.log2(math.e), num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        latent_cache.stride(0), latent_cache.stride(2), block_tables.stride(0),
+        LATENT=latent_dim, ROPE=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        # fp32 callers want fp32 results, not TF32; 16-bit inputs ignore this.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        combine_splits_kernel[(batch_size, num_heads)](
+            out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
+            HEAD_DIM=latent_dim, HEAD_DIM_PAD=latent_dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=False, num_warps=4,
+        )  # fmt: skip
+    return out
