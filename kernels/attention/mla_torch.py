@@ -58,9 +58,10 @@ def mla_attention(
             ctx = _context(latent_cache, meta.block_tables[b], seq_lens[b]).to(query.dtype)  # [L, R + P]
             q = query[start:end].transpose(0, 1)  # [H, Q, R + P]
             seq_len, num_q = seq_lens[b], end - start
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(
-                seq_len - num_q, seq_len, device=q.device
-            )[:, None]  # [Q, L]
+            mask = (
+                torch.arange(seq_len, device=q.device)[None, :]
+                <= torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
+            )  # [Q, L]
             o = F.scaled_dot_product_attention(
                 q, ctx[None], ctx[None, :, :latent_dim], attn_mask=mask, scale=scale, enable_gqa=True
             )  # [H, Q, R]

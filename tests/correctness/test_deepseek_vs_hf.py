@@ -1,0 +1,270 @@
+"""DeepSeek-V2 and DeepSeek-V3 (multi-head latent attention, grouped top-k MoE with shared
+experts), each as a tiny random HF checkpoint (transformers' own config class,
+`save_pretrained`), through our HF-directory loader and the real engine with its paged
+latent cache: 32 greedy tokens equal HF transformers' token for token, logprobs within 2e-3.
+Prompts of several lengths run in one batch, one longer than the step's token budget (its
+prefill is chunked); a second batch shares a prefix with the first (prefix caching).
+
+Each config turns on what sets it apart: V3 its sigmoid grouped routing with a non-zero
+e_score_correction_bias, q_lora_rank, interleaved rope and a dense first layer; V3 with
+YaRN (mscale_all_dim: the softmax scale changes too), rope_interleave off and the top-k
+weights not renormalised; V2-Lite style q_lora_rank None with softmax greedy routing and
+two shared experts; V2 with group_limited_greedy routing and attention biases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.correctness.hf_reference import hf_greedy, randomise
+from vllm_cluster.engine import LLM, ModelLoadError, SamplingParams
+from vllm_cluster.engine.models import ModelArchConfig
+from vllm_cluster.engine.models.deepseek import DeepseekMoeBlock, MlaAttention
+
+MAX_NEW_TOKENS = 32
+MAX_NUM_BATCHED_TOKENS = 16
+BLOCK_SIZE = 4
+PROMPTS = [
+    [7],
+    [3, 141, 59, 26, 5],
+    [200, 17, 88, 4, 250, 31, 9, 160, 72, 11, 2],
+    [(37 * i + 11) % 256 for i in range(29)],  # > MAX_NUM_BATCHED_TOKENS: chunked prefill
+]
+# Its first 24 tokens (6 blocks) are PROMPTS[3]'s: served from the prefix cache.
+SHARED_PREFIX_PROMPT = PROMPTS[3][:24] + [99, 98, 97]
+
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=24,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
+
+
+def _v3() -> Any:
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **_TINY,
+        q_lora_rank=48,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+
+
+def _v3_yarn() -> Any:
+    from transformers import DeepseekV3Config
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    return DeepseekV3Config(
+        **_TINY,
+        q_lora_rank=48,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,
+        rope_interleave=False,
+        rope_parameters=rope,
+    )
+
+
+def _v2_lite() -> Any:
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(**_TINY, q_lora_rank=None, n_shared_experts=2, topk_method="greedy")
+
+
+def _v2_grouped() -> Any:
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        **_TINY,
+        q_lora_rank=40,
+        n_shared_experts=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.0,
+        attention_bias=True,
+    )
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "deepseek_v3": _v3,
+    "deepseek_v3_yarn": _v3_yarn,
+    "deepseek_v2_lite": _v2_lite,
+    "deepseek_v2_grouped": _v2_grouped,
+}
+
+
+@pytest.fixture(params=sorted(CONFIGS), scope="module")
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, str]:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), dtype=torch.float32).eval()
+    randomise(model)
+    # V3's score correction bias is a buffer, which randomise leaves at zero: give it values
+    # that change which experts win.
+    generator = torch.Generator().manual_seed(1)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path, model, request.param
+
+
+def _llm(path: Path, **overrides: Any) -> LLM:
+    return LLM(
+        str(path),
+        dtype="float32",
+        num_blocks=96,
+        block_size=BLOCK_SIZE,
+        max_model_len=256,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        **({"device": "cpu"} | overrides),
+    )
+
+
+def _assert_matches_hf(llm: LLM, hf_model: Any) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    batches = [PROMPTS, [SHARED_PREFIX_PROMPT]]
+    generated = []
+    for prompts in batches:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, output in zip(prompts, outputs, strict=True):
+            hf_tokens, hf_logprobs = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+            generated.append(tuple(hf_tokens))
+            completion = output.outputs[0]
+            assert completion.token_ids == hf_tokens, f"prompt of {len(prompt)} tokens"
+            assert completion.logprobs is not None
+            ours = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids, strict=True)]
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(hf_logprobs), atol=2e-3, rtol=0)
+    assert outputs[0].num_cached_tokens == 24, "the shared prefix was not served from the cache"
+    # Guards the comparison: one repeated token per prompt would let a broken model pass.
+    assert len(set(generated)) == len(generated)
+    assert all(len(set(tokens)) > 2 for tokens in generated)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(checkpoint: tuple[Path, Any, str]) -> None:
+    path, hf_model, _ = checkpoint
+    _assert_matches_hf(_llm(path), hf_model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_on_gpu_greedy_tokens_and_logprobs_match_hf(checkpoint: tuple[Path, Any, str], enforce_eager: bool) -> None:
+    """The same on CUDA in fp32: the Triton MLA decode kernel, and decode steps from CUDA graphs."""
+    path, hf_model, _ = checkpoint
+    _assert_matches_hf(_llm(path, device="cuda", enforce_eager=enforce_eager), hf_model)
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
+def test_kv_cache_holds_only_the_latent_and_rotary_key(checkpoint: tuple[Path, Any, str]) -> None:
+    """The KV bytes per token the engine sizes its cache by, and the cache it allocates, are
+    (kv_lora_rank + qk_rope_head_dim) * dtype bytes * layers: no per-head keys or values."""
+    path, _, _ = checkpoint
+    llm = _llm(path)
+    executor = llm.core.executor
+    expected = (32 + 8) * 4 * 3  # fp32, three layers
+    assert executor.kv_cache_block_bytes(BLOCK_SIZE, torch.float32) == expected * BLOCK_SIZE
+    assert executor.kv_cache_block_bytes(BLOCK_SIZE, torch.float16) == expected // 2 * BLOCK_SIZE
+    caches = executor.runner.kv_caches
+    assert [tuple(c.shape) for c in caches] == [(96, 1, BLOCK_SIZE, 1, 32 + 8)] * 3
+    assert sum(c[0].numel() * c.element_size() for c in caches) == expected * BLOCK_SIZE
+    # A full K/V cache of the same model would hold 2 * heads * (nope + rope) per token: 6x more here.
+    assert expected * 4 < 2 * 4 * (16 + 8) * 4 * 3
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3", "deepseek_v2_lite"], indirect=True)
+def test_layers_are_built_as_the_config_says(checkpoint: tuple[Path, Any, str]) -> None:
+    path, _, name = checkpoint
+    model = _llm(path).core.model
+    config: ModelArchConfig = model.config
+    assert config.dense_layer_ids == (0,)
+    layers = list(model.model.layers)
+    assert all(isinstance(layer.self_attn, MlaAttention) for layer in layers)
+    assert not isinstance(layers[0].mlp, DeepseekMoeBlock)
+    blocks = [layer.mlp for layer in layers[1:]]
+    assert all(isinstance(b, DeepseekMoeBlock) for b in blocks)
+    shared = blocks[0].shared_experts
+    assert shared is not None and shared.intermediate_size == 32 * (1 if name == "deepseek_v3" else 2)
+    assert (layers[0].self_attn.q_proj is None) == (name == "deepseek_v3")
+    router = blocks[0].experts.router
+    assert (router.e_score_correction_bias is not None) == (name == "deepseek_v3")
+    assert config.routing is not None and config.routing.scoring == ("sigmoid" if name == "deepseek_v3" else "softmax")
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3_yarn"], indirect=True)
+def test_yarn_mscale_all_dim_scales_the_softmax(checkpoint: tuple[Path, Any, str]) -> None:
+    path, hf_model, _ = checkpoint
+    config = _llm(path).core.model.config
+    assert config.mla is not None and config.rope_scaling is not None
+    assert config.rope_scaling["rope_type"] == "yarn"
+    expected = hf_model.model.layers[0].self_attn.scaling
+    assert expected != pytest.approx((16 + 8) ** -0.5)
+    assert config.mla.softmax_scale == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "override", "message"),
+    [
+        ("DeepseekV3ForCausalLM", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+        ("DeepseekV3ForCausalLM", {"topk_method": "greedy"}, "topk_method 'greedy'"),
+        ("DeepseekV2ForCausalLM", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+        ("DeepseekV2ForCausalLM", {"norm_topk_prob": True}, "norm_topk_prob true"),
+        ("DeepseekV2ForCausalLM", {"mlp_bias": True}, "mlp_bias true"),
+        ("DeepseekV2ForCausalLM", {"moe_layer_freq": 2}, "moe_layer_freq 2"),
+        ("DeepseekV3ForCausalLM", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("DeepseekV3ForCausalLM", {"n_group": 3}, "n_group 3 must divide n_routed_experts"),
+        ("DeepseekV3ForCausalLM", {"qk_rope_head_dim": 7}, "qk_rope_head_dim 7 must be even"),
+        ("DeepseekV3ForCausalLM", {"rope_scaling": {"type": "ntk"}}, "rope type 'ntk'"),
+    ],
+)
+def test_unsupported_config_values_are_refused_by_name(
+    architecture: str, override: dict[str, Any], message: str
+) -> None:
+    base = {
+        **_TINY,
+        "architectures": [architecture],
+        "q_lora_rank": 48,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_key_value_heads": 4,
+    }
+    with pytest.raises(ModelLoadError, match=message):
+        ModelArchConfig.from_hf_dict(base | override)
