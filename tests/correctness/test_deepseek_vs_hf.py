@@ -21,10 +21,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.correctness.handoff import run_disaggregated
 from tests.correctness.hf_reference import hf_greedy, randomise
 from vllm_cluster.engine import LLM, ModelLoadError, SamplingParams
 from vllm_cluster.engine.models import ModelArchConfig
 from vllm_cluster.engine.models.deepseek import DeepseekMoeBlock, MlaAttention
+from vllm_cluster.engine.parallel.expert import moe_blocks
 
 MAX_NEW_TOKENS = 32
 MAX_NUM_BATCHED_TOKENS = 16
@@ -207,6 +209,38 @@ def test_kv_cache_holds_only_the_latent_and_rotary_key(checkpoint: tuple[Path, A
     assert sum(c[0].numel() * c.element_size() for c in caches) == expected * BLOCK_SIZE
     # A full K/V cache of the same model would hold 2 * heads * (nope + rope) per token: 6x more here.
     assert expected * 4 < 2 * 4 * (16 + 8) * 4 * 3
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
+def test_disaggregated_latent_handoff_gives_hf_tokens(checkpoint: tuple[Path, Any, str]) -> None:
+    """Prefill pushes each layer's latent blocks into the blocks decode reserved (a direct
+    copy, as a transport does); decode continues from them with HF's tokens."""
+    path, hf_model, _ = checkpoint
+    llm = _llm(path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prefill = llm.derive(role="prefill", max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS).core
+    decode = llm.derive(role="decode").core
+    got, pushes = run_disaggregated(prefill, decode, PROMPTS, params)
+    assert got == [hf_greedy(hf_model, prompt, 12)[0] for prompt in PROMPTS]
+    assert all(p.layers_pushed == [0, 1, 2] and p.finished for p in pushes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
+def test_expert_parallel_equals_hf(checkpoint: tuple[Path, Any, str]) -> None:
+    """tensor_parallel_size 2 with enable_expert_parallel (two real processes, gloo): each rank
+    holds 4 of every MoE layer's 8 routed experts; the shared experts and the dense layer are
+    tensor-parallel MLPs; MLA runs whole on both ranks (its heads are not split)."""
+    path, hf_model, _ = checkpoint
+    llm = _llm(path, num_threads=1, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert [(b.expert_start, b.num_local_experts) for b in moe_blocks(llm.core.model)] == [(0, 4), (0, 4)]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12)[0] for p in PROMPTS]
+    finally:
+        llm.core.shutdown()
+        torch.set_num_threads(2)
 
 
 @pytest.mark.parametrize("checkpoint", ["deepseek_v3", "deepseek_v2_lite"], indirect=True)
