@@ -5,11 +5,13 @@ The caller folds W_UK into the query beforehand and applies W_UV to the output
 (engine/models/deepseek.py); kernels/attention/mla_torch.py is the definition this is
 tested against.
 
-1. `mla_decode_kernel`, grid (B, cdiv(H, BLOCK_H), num_splits): a block of BLOCK_H heads of
+1. `mla_decode_kernel`, grid (cdiv(H, BLOCK_H), B, num_splits): a block of BLOCK_H heads of
    one sequence walks its share of the context (split-K) in tiles of TILE_N tokens. Each
    tile of entries is read once for all BLOCK_H heads: scores [BLOCK_H, TILE_N] are
    q_latent @ latent^T + q_rope @ rope^T, two tensor-core dots, then an online softmax and
-   acc [BLOCK_H, R] += p @ latent. Bytes read: the context's entries, once per head block.
+   acc [BLOCK_H, R] += p @ latent. The head blocks of one (sequence, split) are adjacent
+   programs, so they read the same entries at about the same time and all but the first
+   find them in L2: DRAM sees the context about once.
 2. With more than one split, `combine_splits_kernel` (kernels/attention/triton_decode_combine.py)
    merges the partials, as the standard decode attention does.
 
@@ -57,8 +59,8 @@ def mla_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head_block = tl.program_id(1)
+    head_block = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
@@ -168,7 +170,7 @@ def mla_decode_attention(
         part_max = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(batch_size, num_heads, num_splits, latent_dim, dtype=torch.float32, device=q.device)
-    mla_decode_kernel[(batch_size, num_head_blocks, num_splits)](
+    mla_decode_kernel[(num_head_blocks, batch_size, num_splits)](
         q, latent_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * math.log2(math.e), num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

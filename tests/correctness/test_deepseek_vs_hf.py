@@ -23,7 +23,7 @@ import torch
 
 from tests.correctness.handoff import run_disaggregated
 from tests.correctness.hf_reference import hf_greedy, randomise
-from vllm_cluster.engine import LLM, ModelLoadError, SamplingParams
+from vllm_cluster.engine import LLM, ConfigError, ModelLoadError, SamplingParams
 from vllm_cluster.engine.models import ModelArchConfig
 from vllm_cluster.engine.models.deepseek import DeepseekMoeBlock, MlaAttention
 from vllm_cluster.engine.parallel.expert import moe_blocks
@@ -302,3 +302,10 @@ def test_unsupported_config_values_are_refused_by_name(
     }
     with pytest.raises(ModelLoadError, match=message):
         ModelArchConfig.from_hf_dict(base | override)
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v2_lite"], indirect=True)
+def test_fp8_kv_cache_is_refused(checkpoint: tuple[Path, Any, str]) -> None:
+    path, _, _ = checkpoint
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' is not supported for DeepseekV2ForCausalLM"):
+        _llm(path, kv_cache_dtype="fp8")
