@@ -22,6 +22,7 @@ writes nothing). No host sync anywhere: a CUDA graph captures both.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -133,6 +134,22 @@ def write_latent_cache(entry: torch.Tensor, latent_cache: torch.Tensor, slot_map
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    block_h: int  # heads per program (>= 16: the dots' smallest M)
+    tile_n: int  # tokens per step of the walk over the context
+    num_warps: int
+    num_stages: int
+
+
+def default_tile_config(num_heads: int) -> TileConfig:
+    """The tiles `mla_decode_attention` uses unless told (benchmarks/bench_mla_decode.py sweeps
+    the alternatives): 16 heads per program up to 16 heads (bandwidth-bound), else 32."""
+    if num_heads <= 16:
+        return TileConfig(block_h=16, tile_n=32, num_warps=4, num_stages=2)
+    return TileConfig(block_h=32, tile_n=32, num_warps=8, num_stages=2)
+
+
 def mla_decode_attention(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -142,10 +159,7 @@ def mla_decode_attention(
     latent_dim: int,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    block_h: int = 32,
-    tile_n: int = 32,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    tiles: TileConfig | None = None,
 ) -> torch.Tensor:
     """q: [B, H, R + P] (W_UK folded in, the rotary part rotated), one new token per sequence
     -> [B, H, R] in q's dtype. latent_cache: [num_blocks, 1, block_size, 1, R + P],
@@ -157,7 +171,8 @@ def mla_decode_attention(
     assert latent_dim & (latent_dim - 1) == 0 and latent_dim >= 16, f"latent dim {latent_dim}: a power of two >= 16"
     assert latent_cache.is_contiguous() and q.stride(-1) == 1 and latent_cache.dtype == q.dtype
     rope_dim = width - latent_dim
-    block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
+    tiles = tiles or default_tile_config(num_heads)
+    block_h = min(tiles.block_h, max(16, triton.next_power_of_2(num_heads)))
     num_head_blocks = triton.cdiv(num_heads, block_h)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
@@ -176,10 +191,10 @@ def mla_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         latent_cache.stride(0), latent_cache.stride(2), block_tables.stride(0),
         LATENT=latent_dim, ROPE=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
-        BLOCK_SIZE=block_size, BLOCK_H=block_h, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, TILE_N=tiles.tile_n, NUM_SPLITS=num_splits,
         # fp32 callers want fp32 results, not TF32; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         combine_splits_kernel[(batch_size, num_heads)](

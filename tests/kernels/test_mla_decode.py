@@ -12,7 +12,7 @@ import torch
 
 from vllm_cluster.kernels.attention import mla_torch
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
-from vllm_cluster.kernels.attention.triton_mla_decode import mla_decode_attention, write_latent_cache
+from vllm_cluster.kernels.attention.triton_mla_decode import TileConfig, mla_decode_attention, write_latent_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LATENT, ROPE = 32, 8
@@ -81,7 +81,7 @@ def test_triton_mla_decode_matches_torch_path_and_definition(
     torch.testing.assert_close(torch_path[live].double(), expected[live], atol=1e-4, rtol=1e-4)
     triton_out = mla_decode_attention(
         q.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        0.3, LATENT, num_splits=num_splits, block_h=16, tile_n=16, num_warps=4,
+        0.3, LATENT, num_splits=num_splits, tiles=TileConfig(block_h=16, tile_n=16, num_warps=4, num_stages=1),
     )  # fmt: skip
     assert triton_out.shape == (len(seq_lens), num_heads, LATENT)
     torch.testing.assert_close(triton_out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
