@@ -342,3 +342,18 @@ def test_fp8_kv_cache_is_refused(checkpoint: tuple[Path, Any, str]) -> None:
     path, _, _ = checkpoint
     with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' is not supported for DeepseekV2ForCausalLM"):
         _llm(path, kv_cache_dtype="fp8")
+
+
+def test_deepseek_v2_lite_preset_runs_with_dummy_weights() -> None:
+    """The preset GPU benchmarks use, shrunk: random weights through the whole engine."""
+    small = {
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "n_routed_experts": 8, "num_attention_heads": 4, "vocab_size": 512, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    }  # fmt: skip
+    llm = LLM("deepseek-v2-lite", load_format="dummy", hf_overrides=small, device="cpu", dtype="float32",
+              num_blocks=32, block_size=4, max_model_len=128)  # fmt: skip
+    config = llm.core.model.config
+    assert config.mla is not None and config.mla.q_lora_rank is None and config.rope_scaling is not None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
