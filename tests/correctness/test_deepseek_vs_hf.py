@@ -259,15 +259,20 @@ def test_disaggregated_latent_handoff_gives_hf_tokens(checkpoint: tuple[Path, An
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
-def test_expert_parallel_equals_hf(checkpoint: tuple[Path, Any, str]) -> None:
-    """tensor_parallel_size 2 with enable_expert_parallel (two real processes, gloo): each rank
-    holds 4 of every MoE layer's 8 routed experts; the shared experts and the dense layer are
-    tensor-parallel MLPs; MLA runs whole on both ranks (its heads are not split)."""
+@pytest.mark.parametrize(
+    ("checkpoint", "expert_parallel"), [("deepseek_v3", True), ("deepseek_v2_lite", False)], indirect=["checkpoint"]
+)
+def test_tensor_and_expert_parallel_equal_hf(checkpoint: tuple[Path, Any, str], expert_parallel: bool) -> None:
+    """tensor_parallel_size 2 (two real processes, gloo): each rank keeps 2 of the 4 MLA heads
+    (q_b_proj or q_proj, kv_b_proj, row-parallel o_proj) and caches the whole latent; the
+    shared experts and the dense layer are tensor-parallel MLPs. With enable_expert_parallel
+    each rank holds 4 of every MoE layer's 8 routed experts, without it all 8."""
     path, hf_model, _ = checkpoint
-    llm = _llm(path, num_threads=1, tensor_parallel_size=2, enable_expert_parallel=True)
+    llm = _llm(path, num_threads=1, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     try:
-        assert [(b.expert_start, b.num_local_experts) for b in moe_blocks(llm.core.model)] == [(0, 4), (0, 4)]
+        local_experts = 4 if expert_parallel else 8
+        assert [(b.expert_start, b.num_local_experts) for b in moe_blocks(llm.core.model)] == [(0, local_experts)] * 2
+        assert all(layer.self_attn.num_heads == 2 for layer in llm.core.model.model.layers)
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12)[0] for p in PROMPTS]
