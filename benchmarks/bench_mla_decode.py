@@ -28,10 +28,18 @@ import torch
 
 from vllm_cluster.kernels.attention import mla_torch
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata
-from vllm_cluster.kernels.attention.triton_mla_decode import TileConfig, default_tile_config, mla_decode_attention
+from vllm_cluster.kernels.attention.triton_decode import _num_sms
+from vllm_cluster.kernels.attention.triton_mla_decode import (
+    TileConfig,
+    choose_mla_splits,
+    default_tile_config,
+    mla_decode_attention,
+)
 
 LATENT, ROPE, BLOCK_SIZE = 512, 64, 16
 SWEEP = [TileConfig(*c) for c in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2))]
+# A variant: tiles and a split count (None: the kernel's own choice, choose_mla_splits).
+Variant = tuple[TileConfig, int | None]
 
 
 def _inputs(
@@ -63,13 +71,15 @@ def _check(run: Callable[[], torch.Tensor], q: torch.Tensor, cache: torch.Tensor
     torch.testing.assert_close(run()[:rows].float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
-def _describe(tiles: TileConfig) -> str:
-    return f"block_h={tiles.block_h} tile_n={tiles.tile_n} warps={tiles.num_warps} stages={tiles.num_stages}"
+def _describe(variant: Variant) -> str:
+    tiles, splits = variant
+    return (f"block_h={tiles.block_h} tile_n={tiles.tile_n} warps={tiles.num_warps} stages={tiles.num_stages} "
+            f"splits={'auto' if splits is None else splits}")  # fmt: skip
 
 
-def bench(batch_size: int, seq_len: int, num_heads: int, sweep: list[TileConfig]) -> list[TileConfig]:
-    """Prints the default's and each swept configuration's time, bandwidth and FLOP rate;
-    returns the configurations fastest first."""
+def bench(batch_size: int, seq_len: int, num_heads: int, sweep: list[Variant]) -> list[Variant]:
+    """Prints the default's and each swept variant's time, bandwidth and FLOP rate; returns
+    the variants fastest first."""
     from triton.testing import do_bench
 
     q, cache, tables, seq_lens = _inputs(batch_size, seq_len, num_heads, torch.device("cuda"))
@@ -80,33 +90,38 @@ def bench(batch_size: int, seq_len: int, num_heads: int, sweep: list[TileConfig]
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src))
     copy_gbps = 2 * num_bytes / copy_ms / 1e6  # read + write
-    default = default_tile_config(num_heads)
+    default: Variant = (default_tile_config(num_heads), None)
+    block_h = min(default[0].block_h, max(16, num_heads))
+    auto_splits = choose_mla_splits(batch_size, num_heads, -(-num_heads // block_h), seq_len, _num_sms(q.device))
     print(f"B={batch_size} L={seq_len} H={num_heads} R={LATENT} P={ROPE} block={BLOCK_SIZE} bf16: "
           f"{num_bytes / 2**20:.0f} MiB read, {flops / num_bytes:.0f} FLOP/B; "
-          f"copy of the same bytes {copy_gbps:.0f} GB/s")  # fmt: skip
+          f"copy of the same bytes {copy_gbps:.0f} GB/s; default splits {auto_splits}")  # fmt: skip
     results = []
-    for tiles in dict.fromkeys([default, *sweep]):
+    for variant in dict.fromkeys([default, *sweep]):
 
-        def run(tiles: TileConfig = tiles) -> torch.Tensor:
-            return mla_decode_attention(q, cache, tables, seq_lens, scale, LATENT, max_seq_len=seq_len, tiles=tiles)
+        def run(variant: Variant = variant) -> torch.Tensor:
+            tiles, splits = variant
+            return mla_decode_attention(
+                q, cache, tables, seq_lens, scale, LATENT, max_seq_len=seq_len, num_splits=splits, tiles=tiles
+            )
 
         try:
             _check(run, q, cache, tables, seq_lens, scale)
             ms = do_bench(run)
         except Exception as e:  # a configuration that does not compile (registers, shared memory)
-            print(f"  {_describe(tiles)}: {type(e).__name__}")
+            print(f"  {_describe(variant)}: {type(e).__name__}")
             continue
         gbps = num_bytes / ms / 1e6
-        results.append((gbps, tiles, ms))
-        tag = " (default)" if tiles == default else ""
-        print(f"  {_describe(tiles)}{tag}: {ms * 1e3:.1f} us, {gbps:.0f} GB/s = {gbps / copy_gbps:.2f} of copy, "
+        results.append((gbps, variant, ms))
+        tag = " (default)" if variant == default else ""
+        print(f"  {_describe(variant)}{tag}: {ms * 1e3:.1f} us, {gbps:.0f} GB/s = {gbps / copy_gbps:.2f} of copy, "
               f"{flops / ms / 1e9:.0f} TFLOP/s")  # fmt: skip
     results.sort(key=lambda r: -r[0])
     if results:
         gbps, best, ms = results[0]
         print(f"  best: {_describe(best)}: {ms * 1e3:.1f} us, {gbps:.0f} GB/s = {gbps / copy_gbps:.2f} of copy, "
               f"{flops / ms / 1e9:.0f} TFLOP/s")  # fmt: skip
-    return [tiles for _, tiles, _ in results]
+    return [variant for _, variant, _ in results]
 
 
 def main() -> None:
@@ -114,11 +129,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the default tiles only")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
-    small_heads = [t for t in SWEEP if t.block_h == 16]
+    small_heads: list[Variant] = [(t, None) for t in SWEEP if t.block_h == 16]
     ranked = bench(64, 2048, 16, [] if args.quick else small_heads)  # bandwidth-bound: the headline
+    if not args.quick:  # the split count, for the two best tile configurations
+        ranked = bench(64, 2048, 16, [(t, n) for t, _ in ranked[:2] for n in (1, 2, 4, 8, 16)])
     bench(32, 8192, 16, ranked[:3])
     bench(128, 1024, 16, ranked[:3])
-    all_heads = [t for t in SWEEP if t.block_h >= 32 and t.tile_n <= 32]
+    all_heads: list[Variant] = [(t, None) for t in SWEEP if t.block_h >= 32 and t.tile_n <= 32]
     bench(64, 2048, 128, [] if args.quick else all_heads)  # compute-bound: read the FLOP rate
 
 

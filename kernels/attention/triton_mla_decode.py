@@ -12,8 +12,11 @@ tested against.
    acc [BLOCK_H, R] += p @ latent. The head blocks of one (sequence, split) are adjacent
    programs, so they read the same entries at about the same time and all but the first
    find them in L2: DRAM sees the context about once.
-2. With more than one split, `combine_splits_kernel` (kernels/attention/triton_decode_combine.py)
-   merges the partials, as the standard decode attention does.
+2. With more than one split, `mla_combine_kernel`, grid (B, H), merges the partials. Each
+   split stores its output already normalised, in the output's dtype, with its running max
+   and sum: partials of R values per head are large next to the context they summarise
+   (2 * 4 * H * splits / L of its bytes in fp32), so they are kept small, and so are the
+   splits (`choose_mla_splits`).
 
 `write_latent_cache` stores the new tokens' entries (slot -1, a CUDA-graph padding row,
 writes nothing). No host sync anywhere: a CUDA graph captures both.
@@ -28,8 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_cluster.kernels.attention.triton_decode import _num_sms, choose_num_splits
-from vllm_cluster.kernels.attention.triton_decode_combine import combine_splits_kernel
+from vllm_cluster.kernels.attention.triton_decode import _num_sms
+
+_PROGRAMS_PER_SM = 4  # resident programs per SM to hide HBM latency
+_MAX_NUM_SPLITS = 32
+# A split reads at least this many tokens per head of its sequence, so that its partial
+# output (R values per head) stays within about 1/16 of the context bytes it summarises.
+_MIN_SPLIT_TOKENS_PER_HEAD = 32
 
 
 @triton.jit
@@ -41,7 +49,7 @@ def mla_decode_kernel(
     out_ptr,  # [B, H, R]
     part_max_ptr,  # [B, H, NUM_SPLITS]
     part_sum_ptr,  # [B, H, NUM_SPLITS]
-    part_acc_ptr,  # [B, H, NUM_SPLITS, R]
+    part_out_ptr,  # [B, H, NUM_SPLITS, R]: each split's output, normalised
     scale_log2,
     num_heads,
     stride_q_seq,
@@ -107,7 +115,46 @@ def mla_decode_kernel(
         part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
         tl.store(part_max_ptr + part, m, mask=head_ok)
         tl.store(part_sum_ptr + part, total, mask=head_ok)
-        tl.store(part_acc_ptr + part[:, None] * LATENT + dims[None, :], acc, mask=head_ok[:, None])
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]  # an empty split: zeros, weight 0
+        part_out = part_out_ptr + part[:, None] * LATENT + dims[None, :]
+        tl.store(part_out, out.to(part_out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def mla_combine_kernel(
+    out_ptr,  # [B, H, R]
+    part_max_ptr,  # [B, H, NUM_SPLITS]
+    part_sum_ptr,  # [B, H, NUM_SPLITS]
+    part_out_ptr,  # [B, H, NUM_SPLITS, R]
+    stride_out_seq,
+    stride_out_head,
+    LATENT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, LATENT)
+    split_ok = splits < NUM_SPLITS
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits  # [S]
+    part_max = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    global_max = tl.max(part_max, 0)
+    global_max = tl.where(global_max > float("-inf"), global_max, 0.0)  # a padding row: all empty
+    weight = part_sum * tl.exp2(part_max - global_max)  # [S]: each split's share of the softmax mass
+    total = tl.sum(weight, 0)
+    parts = tl.load(part_out_ptr + part[:, None] * LATENT + dims[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(parts.to(tl.float32) * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def choose_mla_splits(batch_size: int, num_heads: int, num_head_blocks: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough splits that B * head blocks * splits fills the SMs a few programs deep, but none
+    shorter than _MIN_SPLIT_TOKENS_PER_HEAD tokens per head (the partials' cost)."""
+    by_occupancy = round(_PROGRAMS_PER_SM * num_sms / max(1, batch_size * num_head_blocks))
+    by_length = triton.cdiv(max(1, max_seq_len), _MIN_SPLIT_TOKENS_PER_HEAD * num_heads)
+    return max(1, min(by_occupancy, by_length, _MAX_NUM_SPLITS))
 
 
 @triton.jit
@@ -177,16 +224,16 @@ def mla_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(batch_size, num_head_blocks, max_seq_len, _num_sms(q.device))
+        num_splits = choose_mla_splits(batch_size, num_heads, num_head_blocks, max_seq_len, _num_sms(q.device))
     out = q.new_empty(batch_size, num_heads, latent_dim)
     if num_splits == 1:
-        part_max = part_sum = part_acc = out  # not read
+        part_max = part_sum = part_out = out  # not read
     else:
         part_max = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty(batch_size, num_heads, num_splits, latent_dim, dtype=torch.float32, device=q.device)
+        part_out = q.new_empty(batch_size, num_heads, num_splits, latent_dim)
     mla_decode_kernel[(num_head_blocks, batch_size, num_splits)](
-        q, latent_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
+        q, latent_cache, block_tables, seq_lens, out, part_max, part_sum, part_out,
         scale * math.log2(math.e), num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         latent_cache.stride(0), latent_cache.stride(2), block_tables.stride(0),
@@ -197,9 +244,8 @@ def mla_decode_attention(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        combine_splits_kernel[(batch_size, num_heads)](
-            out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
-            HEAD_DIM=latent_dim, HEAD_DIM_PAD=latent_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=False, num_warps=4,
+        mla_combine_kernel[(batch_size, num_heads)](
+            out, part_max, part_sum, part_out, out.stride(0), out.stride(1),
+            LATENT=latent_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )  # fmt: skip
     return out

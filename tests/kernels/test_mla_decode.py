@@ -12,7 +12,12 @@ import torch
 
 from vllm_cluster.kernels.attention import mla_torch
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
-from vllm_cluster.kernels.attention.triton_mla_decode import TileConfig, mla_decode_attention, write_latent_cache
+from vllm_cluster.kernels.attention.triton_mla_decode import (
+    TileConfig,
+    choose_mla_splits,
+    mla_decode_attention,
+    write_latent_cache,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LATENT, ROPE = 32, 8
@@ -98,3 +103,12 @@ def test_write_latent_cache_skips_padding_slots_like_the_torch_path() -> None:
     cache = torch.zeros(3, 1, 4, 1, LATENT + ROPE, device=DEVICE)
     write_latent_cache(entries.to(DEVICE), cache, slots.to(DEVICE))
     assert cache.cpu().equal(expected)
+
+
+def test_splits_fill_the_gpu_but_keep_partials_small() -> None:
+    # 16 heads: a split reads >= 512 tokens, so L=2048 takes at most 4 (occupancy asks 8).
+    assert choose_mla_splits(64, 16, 1, 2048, num_sms=132) == 4
+    # 128 heads: one split (its partials would rival the context); one sequence: up to 32.
+    assert choose_mla_splits(64, 128, 4, 2048, num_sms=132) == 1
+    assert choose_mla_splits(1, 16, 1, 32768, num_sms=132) == 32
+    assert choose_mla_splits(256, 16, 1, 16, num_sms=132) == 1
