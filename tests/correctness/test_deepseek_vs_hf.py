@@ -235,6 +235,7 @@ def test_kv_cache_holds_only_the_latent_and_rotary_key(checkpoint: tuple[Path, A
     llm = _llm(path)
     executor = llm.core.executor
     expected = (32 + 8) * 4 * 3  # fp32, three layers
+    assert llm.core.kv_bytes_per_token == expected  # what the engine reports at start
     assert executor.kv_cache_block_bytes(BLOCK_SIZE, torch.float32) == expected * BLOCK_SIZE
     assert executor.kv_cache_block_bytes(BLOCK_SIZE, torch.float16) == expected // 2 * BLOCK_SIZE
     caches = executor.runner.kv_caches
