@@ -59,7 +59,8 @@ def mla_decode_kernel(
     stride_cache_block,
     stride_cache_tok,
     stride_table,
-    LATENT: tl.constexpr,  # R, a power of two
+    LATENT: tl.constexpr,  # R
+    LATENT_PAD: tl.constexpr,
     ROPE: tl.constexpr,  # P
     ROPE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -73,12 +74,13 @@ def mla_decode_kernel(
     split = tl.program_id(2)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
-    dims = tl.arange(0, LATENT)
+    dims = tl.arange(0, LATENT_PAD)
+    dim_ok = dims < LATENT
     rope_dims = tl.arange(0, ROPE_PAD)
     rope_ok = rope_dims < ROPE
 
     q_rows = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head
-    q_latent = tl.load(q_rows + dims[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, R]
+    q_latent = tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_H, R]
     q_rope = tl.load(q_rows + LATENT + rope_dims[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0)
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -88,14 +90,14 @@ def mla_decode_kernel(
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, LATENT], tl.float32)
+    acc = tl.zeros([BLOCK_H, LATENT_PAD], tl.float32)
     offs = tl.arange(0, TILE_N)
     for tile in range(start, end, TILE_N):
         toks = tile + offs
         tok_ok = toks < end
         blocks = tl.load(block_tables_ptr + seq * stride_table + toks // BLOCK_SIZE, mask=tok_ok, other=0)
         rows = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_tok
-        latent = tl.load(rows[:, None] + dims[None, :], mask=tok_ok[:, None], other=0.0)  # [TILE_N, R]
+        latent = tl.load(rows[:, None] + dims[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
         rope = tl.load(rows[:, None] + LATENT + rope_dims[None, :], mask=tok_ok[:, None] & rope_ok[None, :], other=0.0)
         scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
         scores += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)  # [BLOCK_H, TILE_N]
@@ -110,14 +112,14 @@ def mla_decode_kernel(
     if NUM_SPLITS == 1:
         out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
         out_ptrs = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
     else:
         part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
         tl.store(part_max_ptr + part, m, mask=head_ok)
         tl.store(part_sum_ptr + part, total, mask=head_ok)
         out = acc / tl.where(total > 0.0, total, 1.0)[:, None]  # an empty split: zeros, weight 0
         part_out = part_out_ptr + part[:, None] * LATENT + dims[None, :]
-        tl.store(part_out, out.to(part_out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        tl.store(part_out, out.to(part_out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -129,13 +131,15 @@ def mla_combine_kernel(
     stride_out_seq,
     stride_out_head,
     LATENT: tl.constexpr,
+    LATENT_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, LATENT)
+    dims = tl.arange(0, LATENT_PAD)
+    dim_ok = dims < LATENT
     split_ok = splits < NUM_SPLITS
     part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits  # [S]
     part_max = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
@@ -144,9 +148,11 @@ def mla_combine_kernel(
     global_max = tl.where(global_max > float("-inf"), global_max, 0.0)  # a padding row: all empty
     weight = part_sum * tl.exp2(part_max - global_max)  # [S]: each split's share of the softmax mass
     total = tl.sum(weight, 0)
-    parts = tl.load(part_out_ptr + part[:, None] * LATENT + dims[None, :], mask=split_ok[:, None], other=0.0)
+    part_out = part_out_ptr + part[:, None] * LATENT + dims[None, :]
+    parts = tl.load(part_out, mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
     out = tl.sum(parts.to(tl.float32) * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty))
+    out_ptrs = out_ptr + seq * stride_out_seq + head * stride_out_head + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 def choose_mla_splits(batch_size: int, num_heads: int, num_head_blocks: int, max_seq_len: int, num_sms: int) -> int:
@@ -215,7 +221,7 @@ def mla_decode_attention(
     batch_size, num_heads, width = q.shape
     _, planes, block_size, kv_heads, cache_width = latent_cache.shape
     assert planes == 1 and kv_heads == 1 and cache_width == width, (latent_cache.shape, q.shape)
-    assert latent_dim & (latent_dim - 1) == 0 and latent_dim >= 16, f"latent dim {latent_dim}: a power of two >= 16"
+    latent_pad = max(16, triton.next_power_of_2(latent_dim))
     assert latent_cache.is_contiguous() and q.stride(-1) == 1 and latent_cache.dtype == q.dtype
     rope_dim = width - latent_dim
     tiles = tiles or default_tile_config(num_heads)
@@ -237,7 +243,7 @@ def mla_decode_attention(
         scale * math.log2(math.e), num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         latent_cache.stride(0), latent_cache.stride(2), block_tables.stride(0),
-        LATENT=latent_dim, ROPE=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
+        LATENT=latent_dim, LATENT_PAD=latent_pad, ROPE=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_SIZE=block_size, BLOCK_H=block_h, TILE_N=tiles.tile_n, NUM_SPLITS=num_splits,
         # fp32 callers want fp32 results, not TF32; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -246,6 +252,7 @@ def mla_decode_attention(
     if num_splits > 1:
         mla_combine_kernel[(batch_size, num_heads)](
             out, part_max, part_sum, part_out, out.stride(0), out.stride(1),
-            LATENT=latent_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            LATENT=latent_dim, LATENT_PAD=latent_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )  # fmt: skip
     return out

@@ -24,7 +24,7 @@ LATENT, ROPE = 32, 8
 
 
 def make_inputs(
-    seq_lens: list[int], num_heads: int, block_size: int, seed: int = 0
+    seq_lens: list[int], num_heads: int, block_size: int, latent: int = LATENT, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [B, H, R + P], cache [NB, 1, BS, 1, R + P], block tables of shuffled block ids,
     padded with block 0; spare blocks no sequence owns)."""
@@ -38,20 +38,21 @@ def make_inputs(
         n = -(-seq_len // block_size)
         tables[b, :n] = block_ids[taken : taken + n]
         taken += n
-    cache = torch.randn(num_blocks, 1, block_size, 1, LATENT + ROPE, generator=gen)
-    q = torch.randn(len(seq_lens), num_heads, LATENT + ROPE, generator=gen)
+    cache = torch.randn(num_blocks, 1, block_size, 1, latent + ROPE, generator=gen)
+    q = torch.randn(len(seq_lens), num_heads, latent + ROPE, generator=gen)
     return q, cache, tables
 
 
 def per_head_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    latent = q.shape[-1] - ROPE
     """The definition: each head scores every cached entry (key: the whole entry) and sums
     their latents (value), in fp64."""
-    out = torch.zeros(q.shape[0], q.shape[1], LATENT, dtype=torch.float64)
+    out = torch.zeros(q.shape[0], q.shape[1], latent, dtype=torch.float64)
     for b, seq_len in enumerate(seq_lens):
         if seq_len:
             entries = cache[tables[b].long(), 0, :, 0].flatten(0, 1)[:seq_len].double()  # [L, R + P]
             probs = (q[b].double() @ entries.T * 0.3).softmax(-1)  # [H, L]
-            out[b] = probs @ entries[:, :LATENT]
+            out[b] = probs @ entries[:, :latent]
     return out
 
 
@@ -69,26 +70,27 @@ def decode_meta(tables: torch.Tensor, seq_lens: list[int]) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize(
-    ("seq_lens", "num_heads", "block_size", "num_splits"),
+    ("seq_lens", "num_heads", "block_size", "num_splits", "latent"),
     [
-        ([5, 17, 1], 4, 4, 1),  # heads padded to a block of 16; contexts not a tile multiple
-        ([40, 9], 20, 8, 3),  # two head blocks (the last partial), split-K with one split empty for 9
-        ([33, 0], 16, 16, 2),  # a padding row (seq_len 0) gives zeros
+        ([5, 17, 1], 4, 4, 1, LATENT),  # heads padded to a block of 16; contexts not a tile multiple
+        ([40, 9], 20, 8, 3, LATENT),  # two head blocks (the last partial), split-K with one split empty for 9
+        ([33, 0], 16, 16, 2, LATENT),  # a padding row (seq_len 0) gives zeros
+        ([7, 20], 4, 4, 2, 24),  # a latent width that is not a power of two
     ],
 )
 def test_triton_mla_decode_matches_torch_path_and_definition(
-    seq_lens: list[int], num_heads: int, block_size: int, num_splits: int
+    seq_lens: list[int], num_heads: int, block_size: int, num_splits: int, latent: int
 ) -> None:
-    q, cache, tables = make_inputs(seq_lens, num_heads, block_size)
+    q, cache, tables = make_inputs(seq_lens, num_heads, block_size, latent)
     expected = per_head_attention(q, cache, tables, seq_lens)
     live = [b for b, n in enumerate(seq_lens) if n]
-    torch_path = mla_torch.mla_attention(q, cache, decode_meta(tables, seq_lens), 0.3, LATENT)
+    torch_path = mla_torch.mla_attention(q, cache, decode_meta(tables, seq_lens), 0.3, latent)
     torch.testing.assert_close(torch_path[live].double(), expected[live], atol=1e-4, rtol=1e-4)
     triton_out = mla_decode_attention(
         q.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        0.3, LATENT, num_splits=num_splits, tiles=TileConfig(block_h=16, tile_n=16, num_warps=4, num_stages=1),
+        0.3, latent, num_splits=num_splits, tiles=TileConfig(block_h=16, tile_n=16, num_warps=4, num_stages=1),
     )  # fmt: skip
-    assert triton_out.shape == (len(seq_lens), num_heads, LATENT)
+    assert triton_out.shape == (len(seq_lens), num_heads, latent)
     torch.testing.assert_close(triton_out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
 
 
