@@ -261,19 +261,32 @@ def test_disaggregated_latent_handoff_gives_hf_tokens(checkpoint: tuple[Path, An
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("checkpoint", "expert_parallel"), [("deepseek_v3", True), ("deepseek_v2_lite", False)], indirect=["checkpoint"]
+    ("checkpoint", "parallel"),
+    [
+        ("deepseek_v3", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+        ("deepseek_v2_lite", {"tensor_parallel_size": 2}),
+        ("deepseek_v3", {"pipeline_parallel_size": 2}),
+    ],
+    indirect=["checkpoint"],
+    ids=["tp2-ep", "tp2", "pp2"],
 )
-def test_tensor_and_expert_parallel_equal_hf(checkpoint: tuple[Path, Any, str], expert_parallel: bool) -> None:
-    """tensor_parallel_size 2 (two real processes, gloo): each rank keeps 2 of the 4 MLA heads
+def test_parallel_equals_hf(checkpoint: tuple[Path, Any, str], parallel: dict[str, Any]) -> None:
+    """Two real processes (gloo). Tensor parallelism: each rank keeps 2 of the 4 MLA heads
     (q_b_proj or q_proj, kv_b_proj, row-parallel o_proj) and caches the whole latent; the
     shared experts and the dense layer are tensor-parallel MLPs. With enable_expert_parallel
-    each rank holds 4 of every MoE layer's 8 routed experts, without it all 8."""
+    each rank holds 4 of every MoE layer's 8 routed experts, without it all 8. Pipeline
+    parallelism: each stage holds its layers' latent caches."""
     path, hf_model, _ = checkpoint
-    llm = _llm(path, num_threads=1, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    llm = _llm(path, num_threads=1, **parallel)
     try:
-        local_experts = 4 if expert_parallel else 8
-        assert [(b.expert_start, b.num_local_experts) for b in moe_blocks(llm.core.model)] == [(0, local_experts)] * 2
-        assert all(layer.self_attn.num_heads == 2 for layer in llm.core.model.model.layers)
+        layers = list(llm.core.model.model.layers)
+        if parallel.get("tensor_parallel_size"):
+            local_experts = 4 if parallel.get("enable_expert_parallel") else 8
+            experts = [(b.expert_start, b.num_local_experts) for b in moe_blocks(llm.core.model)]
+            assert experts == [(0, local_experts)] * 2
+            assert all(layer.self_attn.num_heads == 2 for layer in layers)
+        else:
+            assert 0 < len(layers) < 3  # this process holds one stage's layers (of 3)
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12)[0] for p in PROMPTS]
