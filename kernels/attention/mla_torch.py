@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata
 
+_MAX_SCORES = 1 << 26  # a prefill chunk's scores, [H, Qc, L]: 256 MiB in fp32
+
 
 def write_latent_cache(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """entry: [T, R + P] into the slots of slot_mapping [T]; a negative slot writes nothing."""
@@ -56,16 +58,27 @@ def mla_attention(
         start, end = query_start_loc[b], query_start_loc[b + 1]
         if end - start > 1:
             ctx = _context(latent_cache, meta.block_tables[b], seq_lens[b]).to(query.dtype)  # [L, R + P]
-            q = query[start:end].transpose(0, 1)  # [H, Q, R + P]
-            seq_len, num_q = seq_lens[b], end - start
-            mask = (
-                torch.arange(seq_len, device=q.device)[None, :]
-                <= torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]
-            )  # [Q, L]
-            o = F.scaled_dot_product_attention(
-                q, ctx[None], ctx[None, :, :latent_dim], attn_mask=mask, scale=scale, enable_gqa=True
-            )  # [H, Q, R]
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = _prefill(query[start:end], ctx, scale, latent_dim)
+    return out
+
+
+def _prefill(q: torch.Tensor, ctx: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
+    """q [Q, H, R + P]: the last Q tokens of a context whose entries are ctx [L, R + P] ->
+    [Q, H, R], causal. In chunks of queries whose scores stay within _MAX_SCORES elements:
+    SDPA may take its math path here (one KV head, a value narrower than the key), which
+    materialises them."""
+    num_q, num_heads, _ = q.shape
+    seq_len = ctx.shape[0]
+    positions = torch.arange(seq_len - num_q, seq_len, device=q.device)  # [Q]
+    step = max(1, _MAX_SCORES // (num_heads * seq_len))
+    out = q.new_empty(num_q, num_heads, latent_dim)
+    for lo in range(0, num_q, step):
+        chunk = q[lo : lo + step].transpose(0, 1)  # [H, Qc, R + P]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[lo : lo + step, None]  # [Qc, L]
+        o = F.scaled_dot_product_attention(
+            chunk, ctx[None], ctx[None, :, :latent_dim], attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [H, Qc, R]
+        out[lo : lo + step] = o.transpose(0, 1)
     return out
 
 

@@ -114,3 +114,27 @@ def test_splits_fill_the_gpu_but_keep_partials_small() -> None:
     assert choose_mla_splits(64, 128, 4, 2048, num_sms=132) == 1
     assert choose_mla_splits(1, 16, 1, 32768, num_sms=132) == 32
     assert choose_mla_splits(256, 16, 1, 16, num_sms=132) == 1
+
+
+@pytest.mark.parametrize("max_scores", [1 << 26, 4 * 13 * 2], ids=["whole", "chunks-of-2-queries"])
+def test_torch_prefill_after_a_cached_prefix_matches_the_definition(
+    max_scores: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last 6 of 13 tokens attend causally over the cached 7 and themselves; in query
+    chunks when the scores would pass the limit."""
+    monkeypatch.setattr(mla_torch, "_MAX_SCORES", max_scores)
+    _, cache, tables = make_inputs([13], 4, 4)
+    q = torch.randn(6, 4, LATENT + ROPE, generator=torch.Generator().manual_seed(2))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(6, dtype=torch.long),
+        block_tables=tables,
+        seq_lens=torch.tensor([13], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
+        max_query_len=6,
+        max_seq_len=13,
+        cpu_plan=make_plan([0, 6], [13]),
+    )
+    out = mla_torch.mla_attention(q, cache, meta, 0.3, LATENT)
+    for i in range(6):  # query i sits at position 7 + i: it sees the first 8 + i entries
+        expected = per_head_attention(q[i : i + 1], cache, tables, [8 + i])
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=1e-5, rtol=1e-5)
