@@ -174,6 +174,7 @@ def _mla_config(arch: str, family: str, d: dict[str, Any]) -> ModelArchConfig:
     rope_theta, rope_scaling = read_rope(d)
     mla = mla_config.mla_facts(family, d, rope_scaling)
     assert mla is not None
+    moe = mla_config.moe_facts(family, d)
     eos = d.get("eos_token_id")
     return ModelArchConfig(
         architecture=arch,
@@ -193,7 +194,12 @@ def _mla_config(arch: str, family: str, d: dict[str, Any]) -> ModelArchConfig:
         qk_norm=False,
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        **mla_config.moe_facts(family, d),
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.num_experts_per_tok,
+        moe_intermediate_size=moe.moe_intermediate_size,
+        shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        norm_topk_prob=moe.norm_topk_prob,
+        dense_layer_ids=moe.dense_layer_ids,
         mla=mla,
         routing=mla_config.routing_facts(family, d),
     )

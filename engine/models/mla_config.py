@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_cluster.engine.errors import ModelLoadError
+from vllm_cluster.engine.models.families import MoeFacts
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
@@ -121,8 +122,8 @@ def routing_facts(family: str, d: dict[str, Any]) -> RoutingFacts | None:
     )
 
 
-def moe_facts(family: str, d: dict[str, Any]) -> dict[str, Any]:
-    """ModelArchConfig's MoE fields of a DeepSeek config."""
+def moe_facts(family: str, d: dict[str, Any]) -> MoeFacts:
+    """A DeepSeek config's experts: the shared experts are one MLP of their summed width."""
     num_experts = int(d.get("n_routed_experts") or 0)
     if not num_experts:
         raise ModelLoadError(f"{family}: config.json has no n_routed_experts; fix the model's config")
@@ -139,7 +140,7 @@ def moe_facts(family: str, d: dict[str, Any]) -> dict[str, Any]:
     first_dense = int(d.get("first_k_dense_replace") or 0)
     shared = int(d.get("n_shared_experts") or 0)
     moe_width = int(d.get("moe_intermediate_size", 2048 if family == "deepseek_v3" else 1407))
-    return dict(
+    return MoeFacts(
         num_experts=num_experts,
         num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
         moe_intermediate_size=moe_width,
