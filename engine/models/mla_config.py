@@ -25,6 +25,24 @@ from vllm_cluster.engine.errors import ModelLoadError
 from vllm_cluster.engine.models.families import MoeFacts
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# transformers' defaults for the keys a config.json may leave out (DeepseekV2Config, DeepseekV3Config).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {
+        "n_routed_experts": 64, "n_shared_experts": 2, "moe_intermediate_size": 1407, "first_k_dense_replace": 0,
+        "routed_scaling_factor": 1.0, "n_group": None, "topk_group": None, "topk_method": "greedy",
+        "num_experts_per_tok": None,
+    },
+    "deepseek_v3": {
+        "n_routed_experts": 256, "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
+        "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+        "num_experts_per_tok": 8,
+    },
+}  # fmt: skip
+
+
+def _get(family: str, d: dict[str, Any], key: str) -> Any:
+    """d[key], or transformers' default for this family when the config leaves it out."""
+    return d[key] if key in d else _DEFAULTS[family][key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,20 +111,20 @@ def routing_facts(family: str, d: dict[str, Any]) -> RoutingFacts | None:
             f"scoring_func {scoring!r} is not supported for {family} (DeepSeek-V2 scores experts by softmax, "
             "V3 by sigmoid, as transformers does)"
         )
-    method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    method = _get(family, d, "topk_method") or ("noaux_tc" if v3 else "greedy")
     methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
     if method not in methods:
         raise ModelLoadError(f"topk_method {method!r} is not supported for {family} (supported: {list(methods)})")
-    num_experts = int(d.get("n_routed_experts") or 0)
+    num_experts = int(_get(family, d, "n_routed_experts") or 0)
     grouped = v3 or method == "group_limited_greedy"
-    n_group = int(d.get("n_group") or 1) if grouped else 1
-    topk_group = int(d.get("topk_group") or n_group) if grouped else 1
+    n_group = int(_get(family, d, "n_group") or 1) if grouped else 1
+    topk_group = int(_get(family, d, "topk_group") or n_group) if grouped else 1
     if num_experts % n_group or not 0 < topk_group <= n_group:
         raise ModelLoadError(
             f"n_group {n_group} must divide n_routed_experts ({num_experts}) and topk_group ({topk_group}) "
             "must be in 1..n_group: fix the model's config"
         )
-    top_k = int(d.get("num_experts_per_tok") or 0)
+    top_k = int(_get(family, d, "num_experts_per_tok") or 0)
     if top_k > topk_group * (num_experts // n_group):
         raise ModelLoadError(
             f"num_experts_per_tok {top_k} exceeds the {topk_group * (num_experts // n_group)} experts that "
@@ -117,14 +135,14 @@ def routing_facts(family: str, d: dict[str, Any]) -> RoutingFacts | None:
         topk_method=method,
         n_group=n_group,
         topk_group=topk_group,
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+        routed_scaling_factor=float(_get(family, d, "routed_scaling_factor")),
         has_score_bias=v3,
     )
 
 
 def moe_facts(family: str, d: dict[str, Any]) -> MoeFacts:
     """A DeepSeek config's experts: the shared experts are one MLP of their summed width."""
-    num_experts = int(d.get("n_routed_experts") or 0)
+    num_experts = int(_get(family, d, "n_routed_experts") or 0)
     if not num_experts:
         raise ModelLoadError(f"{family}: config.json has no n_routed_experts; fix the model's config")
     if int(d.get("moe_layer_freq") or 1) != 1:
@@ -137,12 +155,12 @@ def moe_facts(family: str, d: dict[str, Any]) -> MoeFacts:
             "norm_topk_prob true is not supported for deepseek_v2 (transformers' DeepSeek-V2 never "
             "renormalises its top-k weights): set it false"
         )
-    first_dense = int(d.get("first_k_dense_replace") or 0)
-    shared = int(d.get("n_shared_experts") or 0)
-    moe_width = int(d.get("moe_intermediate_size", 2048 if family == "deepseek_v3" else 1407))
+    first_dense = int(_get(family, d, "first_k_dense_replace") or 0)
+    shared = int(_get(family, d, "n_shared_experts") or 0)
+    moe_width = int(_get(family, d, "moe_intermediate_size"))
     return MoeFacts(
         num_experts=num_experts,
-        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        num_experts_per_tok=int(_get(family, d, "num_experts_per_tok") or 0),
         moe_intermediate_size=moe_width,
         shared_expert_intermediate_size=moe_width * shared,
         norm_topk_prob=family == "deepseek_v3" and bool(d.get("norm_topk_prob", True)),
