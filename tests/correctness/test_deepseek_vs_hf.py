@@ -376,3 +376,13 @@ def test_deepseek_v2_lite_preset_runs_with_dummy_weights() -> None:
     assert config.mla is not None and config.mla.q_lora_rank is None and config.rope_scaling is not None
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults() -> None:
+    minimal = {"vocab_size": 16, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 5}
+    v3 = ModelArchConfig.from_hf_dict({**minimal, "architectures": ["DeepseekV3ForCausalLM"], "num_attention_heads": 4})
+    assert (v3.num_experts, v3.num_experts_per_tok, v3.dense_layer_ids) == (256, 8, (0, 1, 2))
+    assert v3.routing is not None and (v3.routing.n_group, v3.routing.topk_group) == (8, 4)
+    assert v3.routing.routed_scaling_factor == 2.5 and v3.norm_topk_prob
+    assert v3.mla is not None and (v3.mla.q_lora_rank, v3.mla.kv_lora_rank, v3.mla.qk_rope_head_dim) == (1536, 512, 64)
+    assert v3.kv_bytes_per_token(2) == (512 + 64) * 2 * 5
