@@ -82,8 +82,11 @@ class EngineCore:
         self._async = AsyncStepper(self.scheduler, self.sampler, self._execute) if use_async else None
         self.pushes = PendingPushes(self.kv)  # prefill role
         self.leases = Leases()  # decode role
-        logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens",
-                    parts.arch.architecture, self.device, self.dtype, self.kv_cache_dtype, parts.num_blocks, block_size)
+        # What one token's KV takes as the cache is sized (MLA: its latent entry per layer).
+        self.kv_bytes_per_token = self.executor.kv_cache_block_bytes(block_size, self.kv_cache_dtype) // block_size
+        logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens, %d KV bytes per token",
+                    parts.arch.architecture, self.device, self.dtype, self.kv_cache_dtype, parts.num_blocks, block_size,
+                    self.kv_bytes_per_token)  # fmt: skip
 
     def _start_lora(self, arch: ModelArchConfig) -> None:
         sched = self.config.scheduler

@@ -53,6 +53,10 @@ def activation_bytes(arch: ModelArchConfig, sched: SchedulerConfig, element_size
     tokens = max(max_num_batched_tokens, max_num_seqs)
     q_width = arch.num_attention_heads * arch.head_dim
     kv_width = arch.num_key_value_heads * arch.head_dim
+    if arch.mla is not None:  # q, the absorbed query [H, R + P] and the latent outputs [H, R], [H, V]
+        m = arch.mla
+        q_width = arch.num_attention_heads * (m.qk_nope_head_dim + 2 * m.cache_entry_size + m.v_head_dim)
+        kv_width = m.cache_entry_size
     moe_width = arch.moe_intermediate_size * arch.num_experts_per_tok + arch.shared_expert_intermediate_size
     mlp_width = 3 * max(arch.intermediate_size, moe_width)
     per_token = (4 * arch.hidden_size + q_width + 2 * kv_width + mlp_width) * element_size

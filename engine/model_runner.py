@@ -19,10 +19,10 @@ from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
 
 
 def kv_cache_block_bytes(model: CausalLM, block_size: int, kv_cache_dtype: torch.dtype) -> int:
-    """One block's bytes over every layer (fp8: one per element, half a 16-bit cache's)."""
-    c = model.config
+    """One block's bytes over every layer (fp8: one per element, half a 16-bit cache's; MLA:
+    the latent and rotary key only, ModelArchConfig.kv_cache_shape)."""
     elem = torch.empty((), dtype=kv_cache_dtype).element_size()
-    return c.num_hidden_layers * 2 * block_size * c.num_key_value_heads * c.head_dim * elem
+    return block_size * model.config.kv_bytes_per_token(elem)
 
 
 class ModelRunner:
@@ -47,10 +47,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         num_layers = c.num_hidden_layers if num_layers is None else num_layers
         num_kv_heads = c.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        # One tensor per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], of the
-        # model's dtype or fp8 (kernels/fp8_kv.py). Zeroed, so masked-out slots never feed NaN
-        # into attention.
-        shape = (num_blocks, 2, block_size, num_kv_heads, c.head_dim)
+        # One tensor per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim] (MLA: one
+        # latent entry per token, ModelArchConfig.kv_cache_shape), of the model's dtype or fp8
+        # (kernels/fp8_kv.py). Zeroed, so masked-out slots never feed NaN into attention.
+        shape = c.kv_cache_shape(num_blocks, block_size, num_kv_heads)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
         self.block_tables: dict[RequestId, list[int]] = {}
         self.graphs: CudaGraphRunner | None = None

@@ -86,6 +86,11 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
     _check_split(config, source, arch)
     max_len = max_model_len(config, arch.max_position_embeddings)
     _check_sliding_window(arch, max_len)
+    if arch.mla is not None and kv_cache_dtype != dtype:
+        raise ConfigError(
+            f"cache.kv_cache_dtype {config.cache.kv_cache_dtype!r} is not supported for {arch.architecture}: its "
+            "multi-head latent attention caches latents in the model's dtype; set kv_cache_dtype to auto"
+        )
     _, max_num_batched_tokens = config.scheduler.batch_limits()
     if not config.scheduler.enable_chunked_prefill and max_num_batched_tokens < max_len:
         raise ConfigError(

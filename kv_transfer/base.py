@@ -79,6 +79,7 @@ class KVLayout:
             num_layers=len(kv_caches),
             num_kv_heads=first.shape[3],
             head_dim=first.shape[4],
+            layout="NB,2,BS,H,D" if first.shape[1] == 2 else "NB,1,BS,1,L",  # L: an MLA latent entry
             tp_size=tp_size,
             tp_rank=tp_rank,
         )
@@ -105,10 +106,11 @@ def check_kv_caches(kv_caches: Sequence[torch.Tensor]) -> None:
         raise ValueError("kv_caches is empty: pass one tensor per layer")
     first = kv_caches[0]
     for layer, cache in enumerate(kv_caches):
-        if cache.dim() != 5 or cache.shape[1] != 2:
+        if cache.dim() != 5 or cache.shape[1] not in (1, 2):
             raise ValueError(
                 f"kv_caches[{layer}] has shape {tuple(cache.shape)}; expected "
-                "[num_blocks, 2, block_size, num_kv_heads, head_dim]"
+                "[num_blocks, 2, block_size, num_kv_heads, head_dim] (or [num_blocks, 1, block_size, 1, "
+                "latent width]: a multi-head latent attention cache)"
             )
         if cache.shape[1:] != first.shape[1:] or cache.dtype != first.dtype:
             raise ValueError(

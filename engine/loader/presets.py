@@ -68,4 +68,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "max_position_embeddings": 4096,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
     },
+    # Multi-head latent attention (a latent KV cache) and 64 routed + 2 shared experts.
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "topk_method": "greedy",
+        "routed_scaling_factor": 1.0, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+        },
+        "max_position_embeddings": 163840, "tie_word_embeddings": False,
+        "bos_token_id": 100000, "eos_token_id": 100001,
+    },
 }

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_cluster.engine.errors import ModelLoadError
-from vllm_cluster.engine.models import families
+from vllm_cluster.engine.models import families, mla_config
 from vllm_cluster.engine.models.families import GEMMA_FAMILIES, GemmaFacts, GraniteScales
+from vllm_cluster.engine.models.mla_config import MLA_FAMILIES, MlaFacts, RoutingFacts
 from vllm_cluster.engine.models.rope_parameters import read_rope, rope_context_length
 
 # The architectures one shared decoder implements, and what each adds.
@@ -24,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Architectures refused with a reason (the generic message lists the supported ones).
 _REFUSED_ARCHITECTURES = {
@@ -74,10 +77,33 @@ class ModelArchConfig:
     scales: GraniteScales = GraniteScales()
     hidden_act: str = "silu"  # the MLP's activation (families.ACTIVATIONS)
     gemma: GemmaFacts | None = None  # Gemma 2 / 3 (engine/models/gemma.py); None elsewhere
+    # DeepSeek-V2 / V3 (engine/models/deepseek.py): multi-head latent attention, whose KV
+    # cache holds one latent per token (num_key_value_heads 1; head_dim is the rotary
+    # part's, qk_rope_head_dim), and grouped top-k routing. None elsewhere.
+    mla: MlaFacts | None = None
+    routing: RoutingFacts | None = None
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int | None = None) -> tuple[int, ...]:
+        """One layer's KV cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (K and V;
+        `num_kv_heads`: a tensor-parallel rank's share), or for MLA [num_blocks, 1,
+        block_size, 1, kv_lora_rank + qk_rope_head_dim] (the latent and the rotary key).
+        Either way one block of one layer is contiguous."""
+        if self.mla is not None:
+            return (num_blocks, 1, block_size, 1, self.mla.cache_entry_size)
+        heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return (num_blocks, 2, block_size, heads, self.head_dim)
+
+    def kv_bytes_per_token(
+        self, element_size: int, num_layers: int | None = None, num_kv_heads: int | None = None
+    ) -> int:
+        """The KV cache bytes one token takes over `num_layers` layers (the model's by default)."""
+        layers = self.num_hidden_layers if num_layers is None else num_layers
+        _, planes, _, heads, width = self.kv_cache_shape(1, 1, num_kv_heads)
+        return layers * planes * heads * width * element_size
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.num_experts > 0 and layer_id not in self.dense_layer_ids
@@ -100,6 +126,8 @@ class ModelArchConfig:
                 f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family in MLA_FAMILIES:
+            return _mla_config(arch, family, d)
         families.refuse_unsupported(family, d)
         moe = families.moe_facts(family, d)
         num_heads = d["num_attention_heads"]
@@ -138,3 +166,40 @@ class ModelArchConfig:
             hidden_act=families.hidden_act(family, d),
             gemma=gemma,
         )
+
+
+def _mla_config(arch: str, family: str, d: dict[str, Any]) -> ModelArchConfig:
+    """A DeepSeek-V2 / V3 config (engine/models/mla_config.py)."""
+    mla_config.refuse_unsupported(family, d)
+    rope_theta, rope_scaling = read_rope(d)
+    mla = mla_config.mla_facts(family, d, rope_scaling)
+    assert mla is not None
+    moe = mla_config.moe_facts(family, d)
+    eos = d.get("eos_token_id")
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=1,
+        head_dim=mla.qk_rope_head_dim,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=rope_context_length(d.get("max_position_embeddings", 4096), rope_scaling),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        attention_bias=bool(d.get("attention_bias", False)),
+        qk_norm=False,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.num_experts_per_tok,
+        moe_intermediate_size=moe.moe_intermediate_size,
+        shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        norm_topk_prob=moe.norm_topk_prob,
+        dense_layer_ids=moe.dense_layer_ids,
+        mla=mla,
+        routing=mla_config.routing_facts(family, d),
+    )

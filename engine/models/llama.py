@@ -3,7 +3,8 @@ Qwen3 (q/k norm), Phi-3/Phi-4 (fused checkpoint tensors: engine/loader/hf_names.
 Granite (four multipliers: ModelArchConfig.scales), OLMo 2 (norms after attention and MLP:
 models/olmo2.py) and the MoE families: Mixtral (a sparse MoE block in place of the MLP:
 models/mixtral.py), Qwen2-MoE and Qwen3-MoE (models/qwen_moe.py), Gemma 2 and Gemma 3
-(four norms per layer, GeGLU, soft-capping: models/gemma.py). Every difference is a
+(four norms per layer, GeGLU, soft-capping: models/gemma.py), DeepSeek-V2 and V3
+(multi-head latent attention and grouped top-k MoE: models/deepseek.py). Every difference is a
 fact of ModelArchConfig. Tokens arrive flattened ([T]) from a varlen batch; attention goes
 through the paged KV cache. No distributed code here: parallelism is applied from outside.
 """
@@ -21,7 +22,7 @@ from vllm_cluster.engine.layers.attention import Attention
 from vllm_cluster.engine.layers.mlp import MLP
 from vllm_cluster.engine.layers.norm import RMSNorm, add_norm
 from vllm_cluster.engine.layers.rotary import Rope
-from vllm_cluster.engine.models import gemma, mixtral, olmo2, qwen_moe
+from vllm_cluster.engine.models import deepseek, gemma, mixtral, olmo2, qwen_moe
 from vllm_cluster.engine.models.config import ModelArchConfig
 from vllm_cluster.engine.models.families import QWEN_MOE_FAMILIES
 from vllm_cluster.engine.models.kv_scales import kv_scale_targets, per_layer_scale
@@ -38,6 +39,8 @@ def make_mlp(config: ModelArchConfig, layer_id: int) -> nn.Module:
         return MLP(config.hidden_size, config.intermediate_size, config.scales.residual_multiplier, config.hidden_act)
     if config.family in QWEN_MOE_FAMILIES:
         return qwen_moe.QwenMoeBlock(config)
+    if config.routing is not None:
+        return deepseek.DeepseekMoeBlock(config)
     return mixtral.SparseMoeBlock(
         config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
     )
@@ -70,7 +73,7 @@ def make_layer(config: ModelArchConfig, layer_id: int) -> nn.Module:
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = make_attention(config)
+        self.self_attn = deepseek.MlaAttention(config) if config.mla is not None else make_attention(config)
         self.mlp = make_mlp(config, layer_id)
         # Granite scales attention's output before the residual add (the MLP's: MLP.down_scale).
         self.residual_multiplier = config.scales.residual_multiplier
@@ -115,7 +118,7 @@ class DecoderLayer(nn.Module):
     @property
     def takes_normed(self) -> bool:
         """Whether forward_normed's x may be a kernels.Normed (qkv_proj finishes it)."""
-        return bool(getattr(self.self_attn.qkv_proj, "takes_normed", False))
+        return bool(getattr(getattr(self.self_attn, "qkv_proj", None), "takes_normed", False))
 
     def attention(
         self,
@@ -145,8 +148,9 @@ class DecoderModel(nn.Module):
         self.rounds_multiplier = config.gemma is not None
         if config.gemma is not None:
             self.embedding_multiplier = config.hidden_size**0.5
-        # OLMo 2's layers have no input norm to fuse; Gemma's norms scale by 1 + weight.
-        self.fuses_norms = not config.post_norms and config.gemma is None
+        # OLMo 2's layers have no input norm to fuse; Gemma's norms scale by 1 + weight; MLA
+        # has no qkv_proj to finish a norm.
+        self.fuses_norms = not config.post_norms and config.gemma is None and config.mla is None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, D] (times Granite's embedding_multiplier or Gemma's sqrt(hidden_size))."""
@@ -272,6 +276,8 @@ class CausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, shard = self._target(name)
+            if not target:
+                continue  # a tensor the model does not use (deepseek.hf_target)
             owner, _, leaf = target.rpartition(".")
             if owner in quantized:
                 assert not isinstance(shard, tuple), "quantized MoE experts are refused by quantize_model"
@@ -312,8 +318,11 @@ class CausalLM(nn.Module):
             self.kv_scales_loaded = True
         return True
 
-    @staticmethod
-    def _target(name: str) -> tuple[str, str | int | mixtral.ExpertShard | None]:
+    def _target(self, name: str) -> tuple[str, str | int | mixtral.ExpertShard | None]:
+        if self.config.mla is not None:
+            special = deepseek.hf_target(name, self.config.num_hidden_layers)
+            if special is not None:
+                return special
         moe = mixtral.hf_target(name) or qwen_moe.hf_target(name)
         if moe is not None:
             return moe

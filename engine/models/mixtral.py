@@ -45,8 +45,16 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
 
 class SparseMoeBlock(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool = True,
+        router: nn.Module | None = None,
     ) -> None:
+        """`router`: a module mapping fp32 router logits [T, E] to (weights, expert_ids),
+        in place of `route` (DeepSeek's grouped top-k: engine/models/deepseek.py)."""
         super().__init__()
         assert 0 < top_k <= num_experts, f"top_k {top_k} must be in 1..num_experts ({num_experts})"
         self.num_experts = num_experts
@@ -55,6 +63,7 @@ class SparseMoeBlock(nn.Module):
         self.intermediate_size = intermediate_size
         self.expert_start = 0  # global id of w13_weight[0]; >0 on later expert-parallel ranks
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.router = router
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
@@ -72,7 +81,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> the local experts' weighted outputs summed per token, [T, D]."""
-        weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
+        if self.router is None:
+            weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
+        else:
+            weights, expert_ids = self.router(F.linear(x.float(), self.gate.weight.float()))
         if x.is_cuda and (x.shape[0] <= DENSE_MAX_TOKENS_CUDA or torch.cuda.is_current_stream_capturing()):
             return self.forward_dense(x, weights, expert_ids)
         return self.forward_grouped(x, weights, expert_ids)

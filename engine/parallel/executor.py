@@ -177,8 +177,8 @@ class ParallelExecutor:
         num_layers = max(len(c.stage_layers(s)) for s in range(c.pipeline_parallel_size))
         num_kv_heads = len(kv_heads_of(0, c.tensor_parallel_size, arch.num_key_value_heads))
         elem = torch.empty((), dtype=kv_cache_dtype).element_size()
-        per_rank = num_layers * 2 * block_size * num_kv_heads * arch.head_dim * elem
-        full_heads = num_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
+        per_rank = block_size * arch.kv_bytes_per_token(elem, num_layers, num_kv_heads)
+        full_heads = block_size * arch.kv_bytes_per_token(elem, num_layers)
         mirror = full_heads if self.transfer_mirror else 0
         return per_rank * (c.world_size if self.ctx.device.type == "cpu" else 1) + mirror
 
@@ -195,7 +195,7 @@ class ParallelExecutor:
                 self.topology.pipeline_parallel_size == 1 and ctx.tp is not None
             ), "config.validate refuses pp > 1 roles"
             arch = model.config
-            shape = (num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+            shape = arch.kv_cache_shape(num_blocks, block_size)
             full = [torch.zeros(shape, dtype=kv_cache_dtype, device=ctx.device) for _ in self.stage.kv_caches]
             self.stage.mirror = KVMirror(self.stage.kv_caches, ctx.tp, arch.num_key_value_heads, full)
         self._guard(ctx.control.barrier)

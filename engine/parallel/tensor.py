@@ -6,6 +6,10 @@ Over the tp ranks of one pipeline stage, `apply_tp` keeps in place, on each rank
     one head they use, replicated, when tp exceeds the KV heads): qkv_proj keeps those
     output rows; o_proj becomes row-parallel (the matching input columns + all-reduce).
     The rank's KV cache then holds only its KV heads.
+  - multi-head latent attention (DeepSeek): its 1/tp of the heads: the query projection
+    (q_proj or q_b_proj) and kv_b_proj keep those heads' rows, o_proj becomes row-parallel.
+    The latent every head shares (q_a_proj, kv_a_proj_with_mqa) is computed whole on every
+    rank, and every rank caches it whole.
   - MLP (dense, or a MoE model's shared expert or dense layer): 1/tp of its intermediate
     size: gate_up_proj keeps those rows of gate and of up, down_proj becomes row-parallel.
   - embedding and lm_head: a 1/tp block of the vocabulary (vocab-parallel embedding;
@@ -23,6 +27,7 @@ from torch import nn
 from vllm_cluster.engine.layers.attention import Attention
 from vllm_cluster.engine.layers.mlp import MLP
 from vllm_cluster.engine.models import CausalLM
+from vllm_cluster.engine.models.deepseek import MlaAttention
 from vllm_cluster.engine.parallel.groups import Group
 from vllm_cluster.engine.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from vllm_cluster.engine.parallel.topology import kv_heads_of, vocab_shard_size
@@ -36,6 +41,8 @@ def apply_tp(model: CausalLM, group: Group) -> None:
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _shard_attention(module, rank, size, group)
+        elif isinstance(module, MlaAttention):
+            _shard_mla(module, rank, size, group)
         elif isinstance(module, MLP):
             _shard_mlp(module, rank, size, group)
     _shard_vocab(model, rank, size, group)
@@ -53,6 +60,21 @@ def _shard_attention(attn: Attention, rank: int, size: int, group: Group) -> Non
     attn.o_proj = RowParallelLinear(attn.o_proj.weight.data[:, q_rows].contiguous(), group)
     attn.num_heads, attn.num_kv_heads = num_heads, len(kv_heads)
     attn.q_size, attn.kv_size = num_heads * d, len(kv_heads) * d
+
+
+def _shard_mla(attn: MlaAttention, rank: int, size: int, group: Group) -> None:
+    num_heads = attn.num_heads // size
+
+    def rows_of(width: int) -> torch.Tensor:  # this rank's heads' rows, `width` rows per head
+        return torch.arange(rank * num_heads * width, (rank + 1) * num_heads * width)
+
+    q_proj = attn.q_proj if attn.q_proj is not None else attn.q_b_proj
+    assert q_proj is not None
+    _keep_rows(q_proj, rows_of(attn.nope_dim + attn.rope_dim))
+    _keep_rows(attn.kv_b_proj, rows_of(attn.nope_dim + attn.v_head_dim))
+    assert attn.o_proj.bias is None, "a row-parallel o_proj with a bias would add it tp times"
+    attn.o_proj = RowParallelLinear(attn.o_proj.weight.data[:, rows_of(attn.v_head_dim)].contiguous(), group)
+    attn.num_heads = num_heads
 
 
 def _shard_mlp(mlp: MLP, rank: int, size: int, group: Group) -> None:

@@ -134,6 +134,8 @@ def _tp_problem(arch: ModelArchConfig, tp: int) -> str | None:
         return f"it must divide intermediate_size ({arch.intermediate_size})"
     if arch.shared_expert_intermediate_size % tp:
         return f"it must divide shared_expert_intermediate_size ({arch.shared_expert_intermediate_size})"
+    if arch.mla is not None and arch.attention_bias and tp > 1:
+        return f"{arch.architecture} with attention_bias has a bias on o_proj, which runs on one rank only"
     if arch.post_norms and tp > 1:
         return f"{arch.architecture} normalises q and k over all heads at once, which runs on one rank only"
     return None
