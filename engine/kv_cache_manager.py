@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_cluster.engine.block_hash import BlockHash
 from vllm_cluster.engine.block_pool import BlockId, BlockPool
 from vllm_cluster.engine.request import Request, RequestId
 
@@ -57,7 +58,8 @@ class KVCacheManager:
         self._num_released_blocks: dict[RequestId, int] = {}  # leading table entries not held
         self.prefix_stats = PrefixCacheStats()
         self.offload: KVOffload | None = None
-        self._tier_hits: dict[RequestId, tuple[int, int]] = {}  # (host, disk) tokens loaded for a lookup
+        # Per request not yet admitted: the hashes its lookups loaded from a tier, and which tier.
+        self._tier_hits: dict[RequestId, dict[BlockHash, str]] = {}
 
     def attach_offload(self, offload: KVOffload) -> None:
         """Spill evicted blocks to `offload`'s tiers, and look prefixes up there too."""
@@ -125,18 +127,19 @@ class KVCacheManager:
         self.pool.free(new_ids[num_loaded:])
         self.pool.free(reversed(new_ids[:num_loaded]))
         self.pool.free(reversed(prefix))
-        num_host = sum(1 for t in tiers if t.value == "host")
-        host, disk = self._tier_hits.get(request.request_id, (0, 0))
-        self._tier_hits[request.request_id] = (
-            host + num_host * self.block_size,
-            disk + (num_loaded - num_host) * self.block_size,
-        )
+        loaded = self._tier_hits.setdefault(request.request_id, {})
+        for block_hash, tier in zip(block_hashes, tiers, strict=False):
+            loaded[block_hash] = tier.value
         return new_ids[:num_loaded]
 
-    def record_prefix_lookup(self, num_tokens: int, num_hits: int, request_id: RequestId | None = None) -> None:
+    def record_prefix_lookup(self, num_tokens: int, num_hits: int, request: Request | None = None) -> None:
         """Count one admitted request's lookup (not every attempt that found no room);
         `num_hits` includes what it loaded from the offload tiers, counted apart."""
-        host, disk = self._tier_hits.pop(request_id, (0, 0)) if request_id is not None else (0, 0)
+        loaded = self._tier_hits.pop(request.request_id, {}) if request is not None else {}
+        host = disk = 0
+        if request is not None and loaded:
+            tiers = [loaded.get(h) for h in request.block_hashes[: num_hits // self.block_size]]
+            host, disk = tiers.count("host") * self.block_size, tiers.count("disk") * self.block_size
         self.prefix_stats.num_queries += num_tokens
         self.prefix_stats.num_hits += num_hits - host - disk
         self.prefix_stats.num_host_hits += host
