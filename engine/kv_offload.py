@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +59,8 @@ class TierStats:
     num_failed_loads: int = 0  # found here but unreadable: recomputed
     load_time_s: float = 0.0
     num_evicted_blocks: int = 0
+    num_blocks: int = 0  # held now (filled in by `snapshot`)
+    max_num_blocks: int = 0  # capacity
 
 
 @dataclass(slots=True)
@@ -233,6 +235,14 @@ class KVOffload:
         if tier is Tier.HOST:
             return self.host.hashes()
         return [] if self.disk is None else self.disk.hashes()
+
+    def snapshot(self) -> dict[str, TierStats]:
+        """Each tier's counters and occupancy now, by tier name (a copy)."""
+        out = {}
+        for tier, store in ((Tier.HOST, self.host), (Tier.DISK, self.disk)):
+            if store is not None:
+                out[tier.value] = replace(self.stats[tier], num_blocks=len(store), max_num_blocks=store.num_blocks)
+        return out
 
     def clear(self) -> None:
         """Forget every block in every tier (a prefix-cache reset)."""
