@@ -97,8 +97,7 @@ class KVOffload:
 
     def on_evict(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         """The device cache drops these cached blocks (oldest first); save them before reuse."""
-        stored: list[BlockHash] = []
-        removed: list[BlockHash] = []
+        num_stored = num_removed = 0
         pending = _Pending()
         for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
             if block_hash in self.host:
@@ -109,18 +108,18 @@ class KVOffload:
                 pending = _Pending()
             slot, evicted = self.host.reserve(block_hash)
             if evicted is not None:
-                removed.append(evicted[0])
+                num_removed += 1
+                self._emit(Tier.HOST, False, [evicted[0]])  # events in order: a hash may come and go
                 self._spill(*evicted)
             pending.block_ids.append(block_id)
             pending.slots.append(slot)
-            stored.append(block_hash)
+            num_stored += 1
+            self._emit(Tier.HOST, True, [block_hash])
         self._copy_out(pending)
         host = self.stats[Tier.HOST]
-        host.num_stored_blocks += len(stored)
-        host.num_stored_bytes += len(stored) * self.block_bytes
-        host.num_evicted_blocks += len(removed)
-        self._emit(Tier.HOST, False, removed)
-        self._emit(Tier.HOST, True, stored)
+        host.num_stored_blocks += num_stored
+        host.num_stored_bytes += num_stored * self.block_bytes
+        host.num_evicted_blocks += num_removed
 
     def _spill(self, block_hash: BlockHash, slot: int) -> None:
         """The host tier evicts `block_hash` from `slot`: move it to the disk tier, if any."""
