@@ -143,8 +143,8 @@ class KVOffload:
         if not pending.slots:
             return
         ids = torch.tensor(pending.block_ids, device=self.device)
-        for cache, buffer in zip(self.kv_caches, self.host.buffers, strict=True):
-            staging = cache.index_select(0, ids)  # [n, 2, block_size, heads, head_dim]
+        for cache, buffer in zip(self._bytes(self.kv_caches), self._bytes(self.host.buffers), strict=True):
+            staging = cache.index_select(0, ids)  # [n, 2, block_size, heads, head_dim * element size]
             for start, end, slot in _runs(pending.slots):
                 buffer[slot : slot + end - start].copy_(staging[start:end], non_blocking=True)
         if self.device.type == "cuda":
@@ -205,7 +205,7 @@ class KVOffload:
             self.stats[Tier.DISK].num_failed_loads += 1
             self._emit(Tier.DISK, False, [block_hash])
             return False
-        for cache, layer in zip(self.kv_caches, layers, strict=True):
+        for cache, layer in zip(self._bytes(self.kv_caches), self._bytes(layers), strict=True):
             cache[block_id].copy_(layer)
         return True
 
@@ -215,11 +215,16 @@ class KVOffload:
         order = sorted(range(len(slots)), key=lambda i: slots[i])
         slots = [slots[i] for i in order]
         ids = torch.tensor([block_ids[i] for i in order], device=self.device)
-        for cache, buffer in zip(self.kv_caches, self.host.buffers, strict=True):
+        for cache, buffer in zip(self._bytes(self.kv_caches), self._bytes(self.host.buffers), strict=True):
             staging = torch.empty((len(slots), *cache.shape[1:]), dtype=cache.dtype, device=self.device)
             for start, end, slot in _runs(slots):
                 staging[start:end].copy_(buffer[slot : slot + end - start], non_blocking=True)
             cache.index_copy_(0, ids, staging)
+
+    @staticmethod
+    def _bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors viewed as bytes: every copy kernel has a uint8 version (not so fp8)."""
+        return [t.view(torch.uint8) for t in tensors]
 
     def _count_load(self, tier: Tier, num_blocks: int, elapsed_s: float) -> None:
         stats = self.stats[tier]

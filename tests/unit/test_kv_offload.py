@@ -249,3 +249,17 @@ def test_a_host_tier_too_small_for_one_block_is_refused() -> None:
     caches = [torch.zeros((4, *BLOCK_SHAPE)) for _ in range(NUM_LAYERS)]
     with pytest.raises(ConfigError, match="holds no KV block"):
         build_offload(1e-12, None, 0.0, caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_blocks_round_trip_bit_exact_through_host_and_disk(tmp_path: Path, dtype: torch.dtype) -> None:
+    caches = [torch.randn((4, *BLOCK_SHAPE)).to(dtype) for _ in range(NUM_LAYERS)]
+    offload = KVOffload(caches, 1, DiskTierConfig(tmp_path, 4))
+    original = [c[1].clone() for c in caches], [c[2].clone() for c in caches]
+    a, b = BlockHash(b"a" * 16), BlockHash(b"b" * 16)
+    offload.on_evict([1, 2], [a, b])  # a goes on to disk, b stays in the host tier
+    assert offload.hashes(Tier.HOST) == [b] and offload.hashes(Tier.DISK) == [a]
+    assert offload.load([a, b], [3, 0]) == [Tier.DISK, Tier.HOST]
+    for layer, cache in enumerate(caches):
+        assert torch.equal(cache[3].view(torch.uint8), original[0][layer].view(torch.uint8))
+        assert torch.equal(cache[0].view(torch.uint8), original[1][layer].view(torch.uint8))
