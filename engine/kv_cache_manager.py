@@ -110,12 +110,15 @@ class KVCacheManager:
     def _load_from_tiers(self, request: Request, prefix: list[BlockId], max_blocks: int) -> list[BlockId]:
         """Continue the device prefix `prefix` from the offload tiers: load those blocks into
         free device blocks and cache them there. Returns the loaded blocks (free and cached,
-        like any device hit). Never evicts `prefix` itself; uses only free blocks."""
+        like any device hit). Never evicts `prefix` itself; uses only free blocks, one left over."""
         assert self.offload is not None
         block_hashes = request.block_hashes[len(prefix) : max_blocks]
         num_found = len(self.offload.find(block_hashes))
         num_free = self.pool.num_free_blocks - sum(1 for b in prefix if self.pool.blocks[b].ref_cnt == 0)
-        num_blocks = min(num_found, num_free)
+        # Leave a block for the tokens after the hit (at least one is computed): loading into
+        # every free block would only make a request that cannot start yet, and the blocks be
+        # evicted again before it does.
+        num_blocks = min(num_found, num_free - 1)
         if num_blocks <= 0:
             return []
         self.pool.touch(prefix)  # off the free list while blocks are taken from it
