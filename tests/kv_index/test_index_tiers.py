@@ -5,6 +5,7 @@ tier lookup equals the leading blocks the instance holds, each in its fastest ti
 
 from __future__ import annotations
 
+import argparse
 import random
 import threading
 from collections.abc import Iterator
@@ -13,12 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_cluster.engine import LLM
 from vllm_cluster.engine.block_hash import BlockHash
+from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.engine.kv_cache_manager import KVCacheManager
 from vllm_cluster.engine.kv_offload import DiskTierConfig, KVOffload, Tier
 from vllm_cluster.engine.request import Request, RequestId
 from vllm_cluster.engine.sampling_params import SamplingParams
 from vllm_cluster.kv_index import BlockEventPublisher, EmbeddedRedis, PrefixIndex, TierOverlap, start_embedded_redis
+from vllm_cluster.worker.main import _start_publisher
 
 MODEL = "test-model"
 BLOCK_SIZE = 2
@@ -126,3 +130,33 @@ def test_tier_lookups_agree_with_the_tiers_through_evictions_and_restarts(
         index.close()
         for inst in instances:
             inst.publisher.close()
+
+
+def test_a_worker_publishes_its_engines_tiers(server: EmbeddedRedis, smollm2: LLM) -> None:
+    """The serving process's wiring: device and host-tier events of a real engine reach the index."""
+    block_bytes = sum(c[0].numel() * c.element_size() for c in smollm2.core.runner.kv_caches)
+    llm = smollm2.derive(num_blocks=8, max_model_len=128, host_kv_gib=16 * block_bytes / 2**30)
+    loop = EngineLoop(llm.core, llm.tokenizer)
+    publisher = _start_publisher(argparse.Namespace(redis_url=server.url), loop, "127.0.0.1:1")
+    index = PrefixIndex(server.url, llm.core.config.model.model, timeout_s=1.0)
+    try:
+        prompt = list(range(1000, 1040))  # 2 full blocks
+        greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for request_id, tokens in (("a", prompt), ("b", list(range(2000, 2120)))):  # b evicts a's blocks
+            list(loop.add(loop.core.make_request(request_id, tokens, greedy)))
+        assert publisher.flush()
+        chain = [bytes(h) for h in _request16(prompt)]
+        assert index.tier_overlap(chain) == {"colocated@127.0.0.1:1": TierOverlap(0, 2, 0)}
+        list(loop.add(loop.core.make_request("c", prompt, greedy)))  # loads them back to the device
+        assert publisher.flush()
+        assert index.tier_overlap(chain)["colocated@127.0.0.1:1"].num_device == 2
+    finally:
+        index.close()
+        publisher.close()
+        loop.stop()
+
+
+def _request16(prompt: list[int]) -> list[BlockHash]:
+    request = Request(RequestId("probe"), list(prompt), SamplingParams(max_tokens=1), None, 1)
+    request.update_block_hashes(16)
+    return request.block_hashes
