@@ -160,3 +160,22 @@ def _request16(prompt: list[int]) -> list[BlockHash]:
     request = Request(RequestId("probe"), list(prompt), SamplingParams(max_tokens=1), None, 1)
     request.update_block_hashes(16)
     return request.block_hashes
+
+
+def test_tier_lookup_reads_an_instance_without_tiers_as_device_only(server: EmbeddedRedis) -> None:
+    """Instances that publish only the device set (no tiers, or an older publisher) still count."""
+    chain = [bytes([i]) * 16 for i in range(1, 6)]
+    publisher = BlockEventPublisher(server.url, MODEL, "plain", lambda: chain[:3], heartbeat_ttl_s=5.0)
+    publisher.start()
+    index = PrefixIndex(server.url, MODEL, timeout_s=1.0)
+    try:
+        assert publisher.flush()
+        assert index.overlap(chain) == {"plain": 3}
+        assert index.tier_overlap(chain) == {"plain": TierOverlap(3, 0, 0)}
+        publisher.on_tier_event("host", True, chain[3:4])
+        assert publisher.flush()
+        assert index.overlap(chain) == {"plain": 3}  # the device-only lookup is unchanged
+        assert index.tier_overlap(chain) == {"plain": TierOverlap(3, 1, 0)}
+    finally:
+        index.close()
+        publisher.close()
