@@ -12,6 +12,8 @@ import pytest
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.engine.kv_offload import Tier
 
+pytestmark = pytest.mark.slow
+
 NUM_DEVICE_BLOCKS = 24  # 384 tokens: three conversations at most
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
