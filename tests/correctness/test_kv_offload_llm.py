@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.correctness.handoff import run_disaggregated
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.engine.kv_offload import Tier
 
@@ -77,3 +78,21 @@ def test_disk_tier_survives_a_corrupt_file(small: LLM, reference: list[list[int]
     assert first == reference[:4] and again == reference
     assert offload.stats[Tier.DISK].num_failed_loads >= 1
     assert tiered.core.kv.prefix_stats.num_disk_hits > 0
+
+
+def test_decode_loads_a_prefix_from_its_host_tier_and_prefill_skips_it(smollm2: LLM) -> None:
+    shared = list(range(1000, 1096))  # 6 full blocks
+    prompts = [shared + [5, 6, 7], list(range(3000, 3140)), shared + [8, 9, 10]]  # the second evicts the first
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [smollm2.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    prefill = smollm2.derive(role="prefill").core
+    decode = smollm2.derive(role="decode", num_blocks=10, max_model_len=160, host_kv_gib=_gib(smollm2, 32)).core
+    got, pushes = [], []
+    for prompt in prompts:
+        outputs, step_pushes = run_disaggregated(prefill, decode, [prompt], params)
+        got += outputs
+        pushes += step_pushes
+    assert got == expected
+    assert pushes[2].num_skip_blocks == 6  # the decode side held the whole shared prefix, partly in host memory
+    assert decode.kv.prefix_stats.num_host_hits > 0
+    assert decode.kv.pool.num_free_blocks == decode.kv.pool.num_blocks
