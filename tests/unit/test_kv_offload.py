@@ -80,7 +80,7 @@ class Harness:
         self.offload = KVOffload(self.caches, num_host, DiskTierConfig(tmp_path / "kv", num_disk))
         self.kv.attach_offload(self.offload)
         self.model = TierModel(num_host, num_disk)
-        offload_evict = self.pool_evict = self.kv.pool.on_evict
+        offload_evict = self.kv.pool.on_evict
         assert offload_evict is not None
 
         def on_evict(block_ids: list, block_hashes: list) -> None:
