@@ -9,7 +9,9 @@ Free blocks wait in one LRU queue; allocation takes from its head, so the least 
 freed cached block is evicted first. Requests free their blocks tail-first, so a prefix's
 last blocks go before its first ones. The blocks one allocation takes are returned in
 ascending id order: a request's blocks, freed tail-first, come back as ascending runs of
-consecutive ids, and the KV transports copy a run at a time.
+consecutive ids, and the KV transports copy a run at a time. `on_evict` sees each evicted
+block (id and hash) while it still holds its KV: the offload tiers copy it out there
+(engine/kv_offload.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class BlockPool:
         self._cached: dict[BlockHash, BlockId] = {}
         self.on_stored: Callable[[list[BlockHash]], None] | None = None
         self.on_removed: Callable[[list[BlockHash]], None] | None = None
+        self.on_evict: Callable[[list[BlockId], list[BlockHash]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,16 +68,20 @@ class BlockPool:
             raise ValueError(f"cannot allocate {num_blocks} blocks, {len(self._free)} free")
         block_ids = []
         evicted: list[BlockHash] = []
+        evicted_ids: list[BlockId] = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             assert block.ref_cnt == 0
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                evicted_ids.append(block_id)
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
             block_ids.append(block_id)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted_ids, evicted)
         if evicted and self.on_removed is not None:
             self.on_removed(evicted)
         block_ids.sort()

@@ -92,6 +92,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # What the KV cache stores (vLLM's kv_cache_dtype): KV_CACHE_DTYPES.
     kv_cache_dtype: str = "auto"
+    # KV offloading below the device cache (engine/kv_offload.py), off at 0 / None: blocks
+    # evicted from the device cache are copied to a host-memory tier of `host_kv_gib` GiB
+    # (pinned on CUDA; LMCache's max_local_cpu_size), and blocks evicted from there to a
+    # disk tier of `disk_kv_gib` GiB of files in `disk_kv_dir`. A prefix hit in a tier
+    # loads the blocks instead of recomputing them.
+    host_kv_gib: float = 0.0
+    disk_kv_dir: str | None = None
+    disk_kv_gib: float = 0.0
 
     @property
     def size_given(self) -> bool:
@@ -117,6 +125,21 @@ class CacheConfig:
                 "cache.gpu_memory_utilization and cache.memory_fraction are both set: keep one "
                 "(gpu_memory_utilization counts the GPU's total memory, memory_fraction what the weights left free)"
             )
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        if self.host_kv_gib < 0 or self.disk_kv_gib < 0:
+            raise ConfigError("cache.host_kv_gib and cache.disk_kv_gib must be >= 0 (0 turns the tier off)")
+        if (self.disk_kv_gib > 0) != bool(self.disk_kv_dir):
+            raise ConfigError(
+                "cache.disk_kv_dir and cache.disk_kv_gib go together: set both for a disk tier, or neither"
+            )
+        if self.disk_kv_gib > 0 and self.host_kv_gib <= 0:
+            raise ConfigError(
+                "cache.disk_kv_gib needs cache.host_kv_gib > 0: the disk tier holds what the host tier evicts"
+            )
+        if self.host_kv_gib > 0 and not self.enable_prefix_caching:
+            raise ConfigError("cache.host_kv_gib needs enable_prefix_caching: the tiers hold cached prefix blocks")
 
 
 @dataclass(slots=True)

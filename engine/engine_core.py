@@ -33,6 +33,7 @@ from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.device_tokens import DeviceTokens
 from vllm_cluster.engine.errors import ConfigError, InvalidRequestError
 from vllm_cluster.engine.kv_cache_manager import KVCacheManager
+from vllm_cluster.engine.kv_offload import build_offload
 from vllm_cluster.engine.kv_push import KVPush, PendingPushes, StepPushes
 from vllm_cluster.engine.lora import LoRAAdapterError, LoRAManager, load_adapter, lora_extra_key
 from vllm_cluster.engine.model_runner import ModelRunner
@@ -72,6 +73,7 @@ class EngineCore:
         if config.lora.enable_lora:  # before the KV cache: its CUDA graphs capture the LoRA kernels
             self._start_lora(parts.arch)
         self.executor.init_kv_cache(parts.num_blocks, block_size, self.max_model_len, self.kv_cache_dtype)
+        self._start_offload()
         self.sampler = Sampler()
         tokenizer_path = self.source.tokenizer_path
         self.grammars = GrammarCache(  # structured output; the tokenizer is read on first use
@@ -87,6 +89,19 @@ class EngineCore:
         logger.info("engine ready: %s on %s (%s, KV cache %s), %d KV blocks of %d tokens, %d KV bytes per token",
                     parts.arch.architecture, self.device, self.dtype, self.kv_cache_dtype, parts.num_blocks, block_size,
                     self.kv_bytes_per_token)  # fmt: skip
+
+    def _start_offload(self) -> None:
+        cache = self.config.cache
+        if cache.host_kv_gib <= 0:
+            return
+        if self.config.parallel.world_size > 1:
+            raise ConfigError("cache.host_kv_gib: the offload tiers need a single-process engine (tp = pp = 1)")
+        offload = build_offload(cache.host_kv_gib, cache.disk_kv_dir, cache.disk_kv_gib, self.runner.kv_caches)
+        assert offload is not None
+        self.kv.attach_offload(offload)
+        disk = offload.disk
+        logger.info("KV offload: %d host blocks%s", offload.host.num_blocks,
+                    "" if disk is None else f", {disk.num_blocks} disk blocks in {disk.directory}")
 
     def _start_lora(self, arch: ModelArchConfig) -> None:
         sched = self.config.scheduler
@@ -246,6 +261,8 @@ class EngineCore:
             self._async.track(request)
         if not self.scheduler.reserve(request):
             return None
+        if self.kv.offload is not None:
+            self.kv.offload.sync()  # blocks evicted just now: copied out before the transfer writes them
         self.leases.grant(request.request_id, lease_s)
         return list(self.kv.get_block_table(request.request_id))
 

@@ -12,14 +12,24 @@ table, stale: attention masks those positions and never reads them through the t
 released block is never cached under the request's hashes afterwards, and prefix hits stay
 contiguous from the first block (`get_computed_blocks`), so a hit never spans a block that
 was released and reused.
+
+Offload tiers (`attach_offload`, engine/kv_offload.py): the device cache's evictions go to a
+host (and disk) tier; a lookup whose device prefix stops short continues there, loads those
+blocks into fresh device blocks and caches them, so from then on they are ordinary device
+hits. Prefix statistics count the blocks found in each tier apart from the device's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from vllm_cluster.engine.block_hash import BlockHash
 from vllm_cluster.engine.block_pool import BlockId, BlockPool
 from vllm_cluster.engine.request import Request, RequestId
+
+if TYPE_CHECKING:
+    from vllm_cluster.engine.kv_offload import KVOffload
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,7 +39,9 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(slots=True)
 class PrefixCacheStats:
     num_queries: int = 0  # prompt tokens looked up
-    num_hits: int = 0  # of which found in the cache
+    num_hits: int = 0  # of which found in the device cache
+    num_host_hits: int = 0  # of which loaded from the host tier
+    num_disk_hits: int = 0  # of which loaded from the disk tier
 
 
 class KVCacheManager:
@@ -45,6 +57,23 @@ class KVCacheManager:
         self._num_cached_blocks: dict[RequestId, int] = {}
         self._num_released_blocks: dict[RequestId, int] = {}  # leading table entries not held
         self.prefix_stats = PrefixCacheStats()
+        self.offload: KVOffload | None = None
+        # Per request not yet admitted: the hashes its lookups loaded from a tier, and which tier.
+        self._tier_hits: dict[RequestId, dict[BlockHash, str]] = {}
+
+    def attach_offload(self, offload: KVOffload) -> None:
+        """Spill evicted blocks to `offload`'s tiers, and look prefixes up there too."""
+        assert self.enable_caching, "offload tiers hold prefix-cache blocks"
+        self.offload = offload
+        self.pool.on_evict = offload.on_evict
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, in every tier; only possible when no block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.clear()
+        return True
 
     def num_blocks_outside_window(self, first_position: int) -> int:
         """Leading blocks no query at `first_position` or later can read (0 without a window)."""
@@ -74,12 +103,50 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
+        if self.offload is not None and len(block_ids) < max_blocks:
+            block_ids += self._load_from_tiers(request, block_ids, max_blocks)
         return block_ids, len(block_ids) * self.block_size
 
-    def record_prefix_lookup(self, num_tokens: int, num_hits: int) -> None:
-        """Count one admitted request's lookup (not every attempt that found no room)."""
+    def _load_from_tiers(self, request: Request, prefix: list[BlockId], max_blocks: int) -> list[BlockId]:
+        """Continue the device prefix `prefix` from the offload tiers: load those blocks into
+        free device blocks and cache them there. Returns the loaded blocks (free and cached,
+        like any device hit). Never evicts `prefix` itself; uses only free blocks, one left over."""
+        assert self.offload is not None
+        block_hashes = request.block_hashes[len(prefix) : max_blocks]
+        num_found = len(self.offload.find(block_hashes))
+        num_free = self.pool.num_free_blocks - sum(1 for b in prefix if self.pool.blocks[b].ref_cnt == 0)
+        # Leave a block for the tokens after the hit (at least one is computed): loading into
+        # every free block would only make a request that cannot start yet, and the blocks be
+        # evicted again before it does.
+        num_blocks = min(num_found, num_free - 1)
+        if num_blocks <= 0:
+            return []
+        self.pool.touch(prefix)  # off the free list while blocks are taken from it
+        new_ids = self.pool.allocate(num_blocks)  # may evict: into the tiers, before the load
+        tiers = self.offload.load(block_hashes[:num_blocks], [int(b) for b in new_ids])
+        num_loaded = len(tiers)
+        self.pool.cache_blocks(new_ids[:num_loaded], block_hashes[:num_loaded])
+        # Freed in the order to evict them: the unused ones, then the loaded suffix, the prefix last.
+        self.pool.free(new_ids[num_loaded:])
+        self.pool.free(reversed(new_ids[:num_loaded]))
+        self.pool.free(reversed(prefix))
+        loaded = self._tier_hits.setdefault(request.request_id, {})
+        for block_hash, tier in zip(block_hashes, tiers, strict=False):
+            loaded[block_hash] = tier.value
+        return new_ids[:num_loaded]
+
+    def record_prefix_lookup(self, num_tokens: int, num_hits: int, request: Request | None = None) -> None:
+        """Count one admitted request's lookup (not every attempt that found no room);
+        `num_hits` includes what it loaded from the offload tiers, counted apart."""
+        loaded = self._tier_hits.pop(request.request_id, {}) if request is not None else {}
+        host = disk = 0
+        if request is not None and loaded:
+            tiers = [loaded.get(h) for h in request.block_hashes[: num_hits // self.block_size]]
+            host, disk = tiers.count("host") * self.block_size, tiers.count("disk") * self.block_size
         self.prefix_stats.num_queries += num_tokens
-        self.prefix_stats.num_hits += num_hits
+        self.prefix_stats.num_hits += num_hits - host - disk
+        self.prefix_stats.num_host_hits += host
+        self.prefix_stats.num_disk_hits += disk
 
     def allocate_slots(
         self,
@@ -153,6 +220,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix outlives its suffix."""
         table = self.block_tables.pop(request.request_id, [])
+        self._tier_hits.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         num_released = self._num_released_blocks.pop(request.request_id, 0)
         self.pool.free(reversed(table[num_released:]))

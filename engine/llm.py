@@ -159,8 +159,8 @@ class LLM:
         return self.tokenizer
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (and nothing done) while requests hold blocks."""
-        return self.core.kv.pool.reset_prefix_cache()
+        """Forget every cached prefix (offload tiers too); False (and nothing done) while requests hold blocks."""
+        return self.core.kv.reset_prefix_cache()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

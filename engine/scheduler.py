@@ -109,7 +109,7 @@ class Scheduler:
         if not self.kv.allocate_slots(request, num_new, computed_blocks, cache=False):
             return False
         if self.kv.enable_caching:
-            self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
+            self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached, request)
         request.status = RequestStatus.TRANSFERRING
         request.num_cached_tokens = num_cached
         self.requests[request.request_id] = request
@@ -190,7 +190,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.kv.enable_caching and not landed:
-                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+                self.kv.record_prefix_lookup(request.num_tokens, num_cached, request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_cluster.engine.kv_offload import TierStats
 from vllm_cluster.engine.lora import LoRAManager
 from vllm_cluster.engine.scheduler import Scheduler
 
@@ -27,6 +28,11 @@ class EngineStats:
     # LoRA adapters loaded here, and those resident in a slot now (the router routes by them).
     lora_names: tuple[str, ...] = ()
     lora_resident_names: tuple[str, ...] = ()
+    # KV offload (engine/kv_offload.py): prompt tokens loaded from each tier for admitted
+    # requests (not in prefix_cache_hits), and each tier's counters by name ("host", "disk").
+    prefix_cache_host_hits: int = 0
+    prefix_cache_disk_hits: int = 0
+    kv_tiers: dict[str, TierStats] = field(default_factory=dict)
 
 
 def engine_stats(scheduler: Scheduler, lora: LoRAManager | None) -> EngineStats:
@@ -46,4 +52,7 @@ def engine_stats(scheduler: Scheduler, lora: LoRAManager | None) -> EngineStats:
         num_finished=dict(scheduler.num_finished),
         lora_names=() if lora is None else tuple(sorted(lora.adapters)),
         lora_resident_names=() if lora is None else tuple(lora.resident_names),
+        prefix_cache_host_hits=kv.prefix_stats.num_host_hits,
+        prefix_cache_disk_hits=kv.prefix_stats.num_disk_hits,
+        kv_tiers={} if kv.offload is None else kv.offload.snapshot(),
     )

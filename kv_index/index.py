@@ -1,7 +1,8 @@
 """The router's view of the Redis prefix index: which live instances hold how many leading
 blocks of a prompt.
 
-Lifecycle: construct (no I/O) -> `overlap()` per request -> `close()`.
+Lifecycle: construct (no I/O) -> `overlap()` (device cache only) or `tier_overlap()`
+(device, host and disk tiers) per request -> `close()`.
 
 Invariants:
   - One lookup is one round trip: the LOOKUP script walks the live instances (epoch key
@@ -22,12 +23,31 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 
-from vllm_cluster.kv_index.schema import BLOCK_HASH_BYTES, LOOKUP, IndexKeys, connect, run_script
+from vllm_cluster.kv_index.schema import (
+    BLOCK_HASH_BYTES,
+    LOOKUP,
+    TIER_LOOKUP,
+    IndexKeys,
+    LuaScript,
+    connect,
+    run_script,
+)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TierOverlap:
+    """A prompt's leading blocks one instance holds, counted in the fastest tier holding each."""
+
+    num_device: int = 0
+    num_host: int = 0
+    num_disk: int = 0
 
 
 class PrefixIndex:
@@ -46,21 +66,34 @@ class PrefixIndex:
     def overlap(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """{instance id: number of leading `block_hashes` it holds}, for the live instances
         holding at least one; {} when Redis is unavailable."""
+        flat = self._lookup(LOOKUP, block_hashes)
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def tier_overlap(self, block_hashes: Sequence[bytes]) -> dict[str, TierOverlap]:
+        """{instance id: the leading `block_hashes` it holds, by fastest tier holding each},
+        for the live instances holding at least one; {} when Redis is unavailable."""
+        flat = self._lookup(TIER_LOOKUP, block_hashes)
+        return {
+            flat[i].decode(): TierOverlap(int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
+            for i in range(0, len(flat), 4)
+        }
+
+    def _lookup(self, script: LuaScript, block_hashes: Sequence[bytes]) -> list[Any]:
         if not block_hashes or time.monotonic() < self._retry_at:
-            return {}
+            return []
         blob = b"".join(block_hashes)
         assert len(blob) == BLOCK_HASH_BYTES * len(block_hashes), "block hashes are 16 bytes"
         try:
-            flat = run_script(self._client, LOOKUP, [self._keys.instances], [self._keys.prefix, blob])
+            flat = run_script(self._client, script, [self._keys.instances], [self._keys.prefix, blob])
         except redis.RedisError as exc:
             self._on_failure(exc)
-            return {}
+            return []
         if self._in_outage:
             with self._lock:
                 if self._in_outage:
                     self._in_outage = False
                     logger.info("kv index: Redis is back; prefix-aware routing resumes")
-        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return list(flat)
 
     def close(self) -> None:
         self._client.close()

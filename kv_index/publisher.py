@@ -1,7 +1,9 @@
 """Publishes one engine instance's prefix-cache contents to the Redis prefix index.
 
 Lifecycle:
-  1. Construct with a fresh random epoch; wire `on_stored`/`on_removed` to the BlockPool.
+  1. Construct with a fresh random epoch; wire `on_stored`/`on_removed` to the BlockPool,
+     and `on_tier_event` to the KV offload tiers if the engine has them (`tier_snapshot`
+     then lists what each tier holds).
   2. `start()`: a daemon thread publishes `snapshot()` under the epoch (the set first, then
      the epoch key, in one MULTI), then every `flush_interval_s` writes the buffered events
      in one pipeline and every `heartbeat_ttl_s / 3` refreshes the epoch key's and the set's
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
-from vllm_cluster.kv_index.schema import HEARTBEAT, UNREGISTER, IndexKeys, connect, run_script
+from vllm_cluster.kv_index.schema import HEARTBEAT, TIERS, UNREGISTER, IndexKeys, connect, run_script
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class _FlushWaiter:
         self.done.set()
 
 
-_Event = tuple[bool, tuple[bytes, ...]]  # (stored?, block hashes)
+_Event = tuple[str, bool, tuple[bytes, ...]]  # (tier, stored?, block hashes)
 
 
 class BlockEventPublisher:
@@ -82,7 +84,9 @@ class BlockEventPublisher:
         heartbeat_ttl_s: float = 3.0,
         flush_interval_s: float = 0.02,
         timeout_s: float = 0.2,
+        tier_snapshot: Callable[[], dict[str, list[bytes]]] | None = None,
     ) -> None:
+        """`tier_snapshot`: {"host": hashes, "disk": hashes} held below the device now."""
         assert instance_id, "instance_id must not be empty"
         assert heartbeat_ttl_s > 0 and flush_interval_s > 0 and timeout_s > 0
         self.instance_id = instance_id
@@ -93,6 +97,7 @@ class BlockEventPublisher:
         self.num_resyncs = 0  # full snapshots published, the first one included
         self._keys = IndexKeys(model)
         self._snapshot = snapshot
+        self._tier_snapshot = tier_snapshot
         self._client = connect(redis_url, timeout_s)
         self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
         self._heartbeat_interval_s = heartbeat_ttl_s / 3
@@ -110,12 +115,16 @@ class BlockEventPublisher:
     # -- engine thread -------------------------------------------------------------------
 
     def on_stored(self, block_hashes: Sequence[bytes]) -> None:
-        if block_hashes and not self._closed:
-            self._queue.append((True, tuple(block_hashes)))
+        self.on_tier_event("device", True, block_hashes)
 
     def on_removed(self, block_hashes: Sequence[bytes]) -> None:
+        self.on_tier_event("device", False, block_hashes)
+
+    def on_tier_event(self, tier: str, stored: bool, block_hashes: Sequence[bytes]) -> None:
+        """`tier` ("device", "host", "disk") now holds (`stored`) or no longer holds these blocks."""
+        assert tier in TIERS, tier
         if block_hashes and not self._closed:
-            self._queue.append((False, tuple(block_hashes)))
+            self._queue.append((tier, stored, tuple(block_hashes)))
 
     # -- control -------------------------------------------------------------------------
 
@@ -148,10 +157,8 @@ class BlockEventPublisher:
             if self._thread.is_alive():  # stuck in snapshot(): it will not publish after this
                 logger.warning("kv index: publisher thread of %s did not stop within %.0f s",
                                self.instance_id, _CLOSE_TIMEOUT_S)
-        keys = [self._keys.epoch(self.instance_id),
-                self._keys.blocks(self.instance_id, self.epoch), self._keys.instances]
         try:
-            run_script(self._client, UNREGISTER, keys, [self.epoch, self.instance_id])
+            run_script(self._client, UNREGISTER, self._epoch_keys(), [self.epoch, self.instance_id])
         except redis.RedisError as exc:
             logger.warning("kv index: could not unregister %s (%s); its entries expire "
                            "within %.1f s", self.instance_id, exc, self.heartbeat_ttl_s)
@@ -204,49 +211,56 @@ class BlockEventPublisher:
         return self._synced
 
     def _write(self, events: list[_Event]) -> None:
-        last: dict[bytes, bool] = {}
-        for stored, block_hashes in events:
+        last: dict[tuple[str, bytes], bool] = {}
+        for tier, stored, block_hashes in events:
             for block_hash in block_hashes:
-                last[block_hash] = stored
-        added = [h for h, stored in last.items() if stored]
-        removed = [h for h, stored in last.items() if not stored]
-        blocks_key = self._keys.blocks(self.instance_id, self.epoch)
+                last[(tier, block_hash)] = stored
         pipe = self._client.pipeline(transaction=False)
-        for chunk in _chunks(removed):
-            pipe.srem(blocks_key, *chunk)
-        for chunk in _chunks(added):
-            pipe.sadd(blocks_key, *chunk)
-        if added:  # SADD may have just created the set, without a TTL
-            pipe.pexpire(blocks_key, self._ttl_ms)
+        for tier in TIERS:
+            added = [h for (t, h), stored in last.items() if t == tier and stored]
+            removed = [h for (t, h), stored in last.items() if t == tier and not stored]
+            blocks_key = self._keys.tier_blocks(self.instance_id, self.epoch, tier)
+            for chunk in _chunks(removed):
+                pipe.srem(blocks_key, *chunk)
+            for chunk in _chunks(added):
+                pipe.sadd(blocks_key, *chunk)
+            if added:  # SADD may have just created the set, without a TTL
+                pipe.pexpire(blocks_key, self._ttl_ms)
         pipe.execute()
 
+    def _epoch_keys(self) -> list[str]:
+        """The keys HEARTBEAT and UNREGISTER take: epoch, device set, instances, tier sets."""
+        device, *tiers = self._keys.epoch_sets(self.instance_id, self.epoch)
+        return [self._keys.epoch(self.instance_id), device, self._keys.instances, *tiers]
+
     def _heartbeat(self) -> bool:
-        keys = [self._keys.epoch(self.instance_id),
-                self._keys.blocks(self.instance_id, self.epoch), self._keys.instances]
-        alive = run_script(self._client, HEARTBEAT, keys,
+        alive = run_script(self._client, HEARTBEAT, self._epoch_keys(),
                            [self.epoch, self._ttl_ms, self.instance_id])
         self._next_heartbeat_at = time.monotonic() + self._heartbeat_interval_s
         return bool(alive)
 
     def _resync(self) -> None:
         """Publish the whole snapshot under a new epoch (the constructor's, the first time)."""
-        old_blocks_key = self._keys.blocks(self.instance_id, self.epoch)
+        old_keys = self._keys.epoch_sets(self.instance_id, self.epoch)
         if not self._epoch_fresh:
             self.epoch = _new_epoch()
         self._epoch_fresh = False
         block_hashes = list(self._snapshot())
+        held = {"device": block_hashes, **(self._tier_snapshot() if self._tier_snapshot is not None else {})}
         if self._stop.is_set():  # closed while snapshot() ran: registering now would outlive close()
             return
-        blocks_key = self._keys.blocks(self.instance_id, self.epoch)
         pipe = self._client.pipeline(transaction=True)
-        pipe.delete(blocks_key)
-        for chunk in _chunks(block_hashes):
-            pipe.sadd(blocks_key, *chunk)
-        pipe.pexpire(blocks_key, self._ttl_ms)
+        for tier in TIERS:
+            key = self._keys.tier_blocks(self.instance_id, self.epoch, tier)
+            pipe.delete(key)
+            for chunk in _chunks(list(held.get(tier, ()))):
+                pipe.sadd(key, *chunk)
+            pipe.pexpire(key, self._ttl_ms)
         pipe.set(self._keys.epoch(self.instance_id), self.epoch, px=self._ttl_ms)
         pipe.sadd(self._keys.instances, self.instance_id)
-        if old_blocks_key != blocks_key:
-            pipe.delete(old_blocks_key)
+        for old_key in old_keys:
+            if old_key not in self._keys.epoch_sets(self.instance_id, self.epoch):
+                pipe.delete(old_key)
         pipe.execute()
         self._synced = True
         self.num_resyncs += 1

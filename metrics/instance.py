@@ -9,6 +9,11 @@ The engine is read at scrape time by a custom collector, on the engine thread
 A prefill instance counts each prompt and its first token; decode counts the tokens after
 it (and the prompts it computes itself: prefill skipped, or a failed hand-off), so the
 token counters summed over instances equal the router's.
+With KV offload tiers (cache.host_kv_gib): vllm:external_prefix_cache_hits (tokens loaded
+from a tier instead of recomputed, every tier; vLLM's name for its KV connector's hits),
+and per tier (label `tier`: host, disk) vllm_cluster:kv_offload_hits (tokens),
+_loaded_blocks, _loaded_bytes, _load_seconds, _failed_loads, _stored_blocks,
+_stored_bytes, _evicted_blocks (counters), _blocks and _max_blocks (gauges).
 Decode adds reservations whose KV has not landed and leases that expired (collector);
 prefill adds each KV push as its servicer sees it complete (bytes, seconds, failures).
 Labels: model_name, role, instance_id (not `instance`: Prometheus sets that on every
@@ -26,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.stats import EngineStats
 from vllm_cluster.metrics import buckets
 from vllm_cluster.metrics.router import FINISH_REASONS
 
@@ -90,12 +96,42 @@ class _EngineCollector(Collector):
         for reason in FINISH_REASONS:
             success.add_metric([*self._values, reason], stats.num_finished.get(reason, 0))
         yield success
+        if stats.kv_tiers:
+            yield from self._tiers(stats)
         if self._values[1] == "decode":
             yield self._gauge("vllm_cluster:num_requests_transferring",
                               "Reservations whose KV has not landed yet.", stats.num_transferring)
             yield self._counter("vllm_cluster:lease_expiries",
                                 "Reservations freed because their KV did not arrive in time.",
                                 self._loop.num_expired_leases)
+
+    def _tiers(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._counter("vllm:external_prefix_cache_hits",
+                            "Prompt tokens loaded from the KV offload tiers instead of recomputed.",
+                            stats.prefix_cache_host_hits + stats.prefix_cache_disk_hits)
+        hits = {"host": stats.prefix_cache_host_hits, "disk": stats.prefix_cache_disk_hits}
+        families = [
+            ("kv_offload_hits", "Prompt tokens loaded from this tier for admitted requests.", lambda t, n: hits[n]),
+            ("kv_offload_loaded_blocks", "KV blocks loaded from this tier.", lambda t, n: t.num_hit_blocks),
+            ("kv_offload_loaded_bytes", "KV bytes loaded from this tier.", lambda t, n: t.num_loaded_bytes),
+            ("kv_offload_load_seconds", "Seconds spent loading from this tier.", lambda t, n: t.load_time_s),
+            ("kv_offload_failed_loads", "Blocks found in this tier but unreadable (recomputed).",
+             lambda t, n: t.num_failed_loads),
+            ("kv_offload_stored_blocks", "KV blocks stored into this tier.", lambda t, n: t.num_stored_blocks),
+            ("kv_offload_stored_bytes", "KV bytes stored into this tier.", lambda t, n: t.num_stored_bytes),
+            ("kv_offload_evicted_blocks", "KV blocks evicted from this tier.", lambda t, n: t.num_evicted_blocks),
+        ]
+        for name, doc, value in families:
+            family = CounterMetricFamily(f"vllm_cluster:{name}", doc, labels=[*_LABELS, "tier"])
+            for tier_name, tier in stats.kv_tiers.items():
+                family.add_metric([*self._values, tier_name], value(tier, tier_name))
+            yield family
+        for name, doc, attr in (("kv_offload_blocks", "KV blocks held in this tier now.", "num_blocks"),
+                                ("kv_offload_max_blocks", "KV blocks this tier can hold.", "max_num_blocks")):
+            gauge = GaugeMetricFamily(f"vllm_cluster:{name}", doc, labels=[*_LABELS, "tier"])
+            for tier_name, tier in stats.kv_tiers.items():
+                gauge.add_metric([*self._values, tier_name], getattr(tier, attr))
+            yield gauge
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=_LABELS)

@@ -23,7 +23,7 @@ import grpc
 
 from vllm_cluster.engine.block_hash import hash_block_tokens
 from vllm_cluster.engine.config import EngineRole
-from vllm_cluster.kv_index import PrefixIndex
+from vllm_cluster.kv_index import PrefixIndex, TierOverlap
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.admission import AdmissionQueue
 from vllm_cluster.router.calls import abort, end_aborted
@@ -36,6 +36,9 @@ from vllm_cluster.worker.rpc import RETRY_AFTER_KEY
 # Full (RESOURCE_EXHAUSTED), too busy to answer in time (DEADLINE_EXCEEDED: load, counted as
 # full, never as down), or down (UNAVAILABLE): the next instance is tried.
 _RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+
+
+Overlap = dict[str, TierOverlap]  # prefix-index id -> a prompt's leading blocks held there, by tier
 
 
 class Placement:
@@ -54,14 +57,14 @@ class Placement:
         self._lock = threading.Lock()
         self._turn = 0
 
-    def overlap(self, request: pb.WorkerRequest) -> dict[str, int]:
-        """Prefix-index id -> leading blocks of this prompt held ({} without an index)."""
+    def overlap(self, request: pb.WorkerRequest) -> dict[str, TierOverlap]:
+        """Prefix-index id -> leading blocks of this prompt held, by tier ({} without an index)."""
         if self._prefix_index is None or self._config.policy != "prefix_aware":
             return {}
         hashes = hash_block_tokens(list(request.prompt_token_ids), self._block_size, tuple(request.extra_keys))
-        return self._prefix_index.overlap([bytes(h) for h in hashes]) if hashes else {}
+        return self._prefix_index.tier_overlap([bytes(h) for h in hashes]) if hashes else {}
 
-    def rank(self, role: EngineRole, request: pb.WorkerRequest, overlap: dict[str, int]) -> list[str]:
+    def rank(self, role: EngineRole, request: pb.WorkerRequest, overlap: dict[str, TierOverlap]) -> list[str]:
         """The healthy instances of `role`, best first."""
         num_blocks = len(request.prompt_token_ids) // self._block_size
         loads = self._registry.loads(role, overlap, request.lora_name or None)
@@ -75,7 +78,7 @@ class Placement:
         self._admission.room_freed()
 
     def reserve(
-        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
+        self, handoff: Handoff, request: pb.WorkerRequest, overlap: Overlap, context: grpc.ServicerContext
     ) -> tuple[Instance, pb.Reservation]:
         """Reserve on the best decode instance that has room, waiting in the admission queue
         while every healthy one is full or none is up; aborts the call when none can take
@@ -123,7 +126,7 @@ class Placement:
         abort(context, grpc.StatusCode.UNAVAILABLE, f"no healthy decode instance ({why}); retry later")
 
     def _try_reserve(
-        self, handoff: Handoff, request: pb.WorkerRequest, overlap: dict[str, int], context: grpc.ServicerContext
+        self, handoff: Handoff, request: pb.WorkerRequest, overlap: Overlap, context: grpc.ServicerContext
     ) -> tuple[tuple[Instance, pb.Reservation] | None, list[str], list[str]]:
         """One pass over the ranked decode instances: (instance, reservation) or None, with
         why each failed: full (RESOURCE_EXHAUSTED) or down (UNAVAILABLE)."""

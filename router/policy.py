@@ -20,6 +20,10 @@ class InstanceLoad:
     num_running: int = 0
     kv_cache_usage: float = 0.0  # 0..1
     num_cached_blocks: int = 0  # leading blocks of this prompt the instance holds (prefix index)
+    # Of the leading blocks past those, held in the instance's host-memory / disk KV tier
+    # (loaded there instead of recomputed).
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
     lora_resident: bool = False  # the request's LoRA adapter sits in a slot there (no swap-in)
     lora_loaded: bool = True  # the request's LoRA adapter (if any) is loaded there
 
@@ -27,12 +31,19 @@ class InstanceLoad:
 @dataclass(frozen=True, slots=True)
 class PrefixWeights:
     """prefix_aware: score = overlap * overlap_fraction - usage * kv_cache_usage - load * load_share
-    + lora * lora_resident."""
+    + lora * lora_resident, where overlap_fraction counts a block in the device cache as 1, one
+    in the host tier as `host` and one on disk as `disk`: what a load saves of a recompute
+    (a host load costs about a tenth of recomputing on a GPU, a disk read more)."""
 
     overlap: float = 2.0
     usage: float = 1.0
     load: float = 1.0
     lora: float = 0.5
+    host: float = 0.8
+    disk: float = 0.4
+
+    def __post_init__(self) -> None:
+        assert 1.0 >= self.host >= self.disk >= 0.0, "a device hit >= a host hit >= a disk hit >= a miss"
 
 
 def score(load: InstanceLoad) -> float:
@@ -76,7 +87,8 @@ def prefix_aware(
     total_load = sum(load.num_inflight + load.num_waiting for load in healthy)
 
     def value(load: InstanceLoad) -> float:
-        overlap = load.num_cached_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
+        held = load.num_cached_blocks + weights.host * load.num_host_blocks + weights.disk * load.num_disk_blocks
+        overlap = held / num_prompt_blocks if num_prompt_blocks else 0.0
         share = (load.num_inflight + load.num_waiting) / total_load if total_load else 0.0
         resident = weights.lora if load.lora_resident else 0.0
         return weights.overlap * overlap - weights.usage * load.kv_cache_usage - weights.load * share + resident

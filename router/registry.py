@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from vllm_cluster.engine.config import EngineRole
+from vllm_cluster.kv_index import TierOverlap
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.policy import InstanceLoad
@@ -45,7 +46,10 @@ class Instance:
         """This instance's id in the prefix index (see worker.main.instance_id)."""
         return f"{self.role}@{self.address}"
 
-    def load(self, num_cached_blocks: int = 0, lora_name: str | None = None) -> InstanceLoad:
+    def load(
+        self, num_cached_blocks: int = 0, lora_name: str | None = None, num_host_blocks: int = 0,
+        num_disk_blocks: int = 0,
+    ) -> InstanceLoad:
         return InstanceLoad(
             name=self.name,
             healthy=self.healthy,
@@ -54,6 +58,8 @@ class Instance:
             num_running=self.stats.num_running,
             kv_cache_usage=self.stats.kv_cache_usage,
             num_cached_blocks=num_cached_blocks,
+            num_host_blocks=num_host_blocks,
+            num_disk_blocks=num_disk_blocks,
             lora_resident=lora_name is not None and lora_name in self.stats.lora_resident_names,
             lora_loaded=lora_name is None or lora_name in self.stats.lora_names,
         )
@@ -86,12 +92,17 @@ class Registry:
         return [i for i in self.instances.values() if i.role == role]
 
     def loads(
-        self, role: EngineRole, overlap: dict[str, int] | None = None, lora_name: str | None = None
+        self, role: EngineRole, overlap: dict[str, TierOverlap] | None = None, lora_name: str | None = None
     ) -> list[InstanceLoad]:
-        """`overlap`: prefix-index id -> leading blocks of the prompt it holds."""
+        """`overlap`: prefix-index id -> leading blocks of the prompt it holds, by tier."""
         overlap = overlap or {}
+        none = TierOverlap()
         with self._lock:
-            return [i.load(overlap.get(i.index_id, 0), lora_name) for i in self.of_role(role)]
+            return [
+                i.load(o.num_device, lora_name, o.num_host, o.num_disk)
+                for i in self.of_role(role)
+                for o in [overlap.get(i.index_id, none)]
+            ]
 
     def lora_names(self) -> set[str]:
         """The LoRA adapters some instance reported loaded at its last Stats."""

@@ -36,7 +36,7 @@ import grpc
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.errors import InvalidRequestError, ModelLoadError
 from vllm_cluster.engine.lora import lora_extra_key
-from vllm_cluster.kv_index import PrefixIndex
+from vllm_cluster.kv_index import PrefixIndex, TierOverlap
 from vllm_cluster.metrics import RouterMetrics
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
@@ -240,7 +240,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         handoff: Handoff,
         request: pb.WorkerRequest,
         reservation: pb.Reservation,
-        overlap: dict[str, int],
+        overlap: dict[str, TierOverlap],
         timings: pb.Timings,
         context: grpc.ServicerContext,
     ) -> pb.PrefillResponse | None:

@@ -16,6 +16,7 @@ import grpc
 from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.engine_core import EngineCore
 from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.kv_offload import Tier
 from vllm_cluster.engine.resolve import CUDA_DEFAULTS, resolve_device
 from vllm_cluster.engine.tokenizer import load_tokenizer
 from vllm_cluster.kv_index import BlockEventPublisher
@@ -113,6 +114,14 @@ def serve(
         publisher.close()
 
 
+def _tier_hashes(core: EngineCore) -> dict[str, list[bytes]]:
+    """What each KV offload tier of the engine holds now ({} without tiers)."""
+    offload = core.kv.offload
+    if offload is None:
+        return {}
+    return {tier.value: [bytes(h) for h in offload.hashes(tier)] for tier in (Tier.HOST, Tier.DISK)}
+
+
 def _start_publisher(args: argparse.Namespace, loop: EngineLoop, address: str) -> BlockEventPublisher:
     """Mirror the engine's prefix cache into Redis, for the router's prefix-aware routing."""
     core = loop.core
@@ -121,12 +130,19 @@ def _start_publisher(args: argparse.Namespace, loop: EngineLoop, address: str) -
         core.config.model.model,
         instance_id(core.role, address),
         snapshot=lambda: [bytes(h) for h in loop.call(lambda c: c.kv.pool.cached_hashes())],
+        tier_snapshot=lambda: loop.call(_tier_hashes),
     )
 
     def wire(c: EngineCore) -> None:
         c.kv.pool.on_stored = publisher.on_stored
         c.kv.pool.on_removed = publisher.on_removed
         publisher.on_stored([bytes(h) for h in c.kv.pool.cached_hashes()])
+        if c.kv.offload is not None:
+            c.kv.offload.on_event = lambda tier, stored, hashes: publisher.on_tier_event(
+                tier.value, stored, [bytes(h) for h in hashes]
+            )
+            for tier, hashes in _tier_hashes(c).items():
+                publisher.on_tier_event(tier, True, hashes)
 
     loop.call(wire)
     publisher.start()

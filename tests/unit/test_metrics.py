@@ -133,6 +133,38 @@ def test_instance_metrics_read_the_engine_at_scrape_time(colocated: EngineLoop) 
     assert not any(name.startswith("vllm_cluster:") for name, _ in s)
 
 
+@pytest.fixture
+def tiered(smollm2: LLM) -> Iterator[EngineLoop]:
+    """8 device blocks (128 tokens) over a host tier of 64 blocks."""
+    llm = smollm2.derive(num_blocks=8, max_model_len=128, host_kv_gib=64 * _block_bytes(smollm2) / 2**30)
+    loop = EngineLoop(llm.core, llm.tokenizer)
+    yield loop
+    loop.stop()
+
+
+def test_offload_tier_metrics_count_loads_instead_of_recompute(tiered: EngineLoop) -> None:
+    metrics = InstanceMetrics(tiered, "colocated-0")
+    # a caches PROMPT's 2 full blocks; b (8 blocks) evicts them to the host tier; c loads them back.
+    for request_id, prompt in (("a", PROMPT), ("b", list(range(2000, 2120))), ("c", PROMPT)):
+        stream = tiered.add(tiered.core.make_request(request_id, prompt, GREEDY))
+        assert len([t for delta in stream for t in delta.token_ids]) == 4
+    s = _scrape(metrics.registry)
+    block_bytes = sum(c[0].numel() * c.element_size() for c in tiered.core.runner.kv_caches)
+    assert _value(s, "vllm:external_prefix_cache_hits_total") == 32
+    assert _value(s, "vllm:prefix_cache_hits_total") == 0
+    assert _value(s, "vllm_cluster:kv_offload_hits_total", tier="host") == 32
+    assert _value(s, "vllm_cluster:kv_offload_loaded_blocks_total", tier="host") == 2
+    assert _value(s, "vllm_cluster:kv_offload_loaded_bytes_total", tier="host") == 2 * block_bytes
+    assert _value(s, "vllm_cluster:kv_offload_load_seconds_total", tier="host") > 0
+    assert _value(s, "vllm_cluster:kv_offload_stored_blocks_total", tier="host") >= 2
+    assert _value(s, "vllm_cluster:kv_offload_max_blocks", tier="host") == 64
+    assert _value(s, "vllm_cluster:kv_offload_failed_loads_total", tier="host") == 0
+
+
+def _block_bytes(llm: LLM) -> int:
+    return sum(c[0].numel() * c.element_size() for c in llm.core.runner.kv_caches)
+
+
 def test_decode_counts_only_what_it_computes_and_expired_leases(decode: EngineLoop) -> None:
     metrics = InstanceMetrics(decode, "decode-0")
     core = decode.core
@@ -184,7 +216,7 @@ def _exported_names(registry: CollectorRegistry) -> set[str]:
     return {f.name + suffix for f in registry.collect() for suffix in suffixes[f.type]}
 
 
-def test_dashboard_queries_only_exported_metrics(smollm2: LLM, decode: EngineLoop) -> None:
+def test_dashboard_queries_only_exported_metrics(smollm2: LLM, decode: EngineLoop, tiered: EngineLoop) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
     prefill = EngineLoop(smollm2.derive(num_blocks=128, role="prefill").core, None)
@@ -193,6 +225,7 @@ def test_dashboard_queries_only_exported_metrics(smollm2: LLM, decode: EngineLoo
             RouterMetrics("m").registry,
             InstanceMetrics(decode, "decode-0").registry,
             InstanceMetrics(prefill, "prefill-0").registry,
+            InstanceMetrics(tiered, "colocated-0").registry,
         )))
     finally:
         prefill.stop()
@@ -204,5 +237,6 @@ def test_dashboard_queries_only_exported_metrics(smollm2: LLM, decode: EngineLoo
     for must in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_success_total",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
-                 "vllm_cluster:request_kv_transfer_seconds_bucket", "vllm_cluster:prefill_skipped_total"):
+                 "vllm_cluster:request_kv_transfer_seconds_bucket", "vllm_cluster:prefill_skipped_total",
+                 "vllm_cluster:kv_offload_hits_total", "vllm_cluster:kv_offload_load_seconds_total"):
         assert must in queried

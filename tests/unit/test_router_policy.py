@@ -119,3 +119,22 @@ def test_prefix_aware_prefers_overlap_then_load_with_random_ties() -> None:
     twins = [InstanceLoad("x", True, 0), InstanceLoad("y", True, 0)]
     assert {prefix_aware(twins, 64, weights, random.Random(s))[0] for s in range(20)} == {"x", "y"}
     assert prefix_aware([InstanceLoad("z", False, 0)], 64, weights, random.Random(0)) == []
+
+
+def test_prefix_aware_scores_device_over_host_over_disk_over_miss() -> None:
+    import random
+
+    weights = PrefixWeights()
+    loads = [
+        InstanceLoad("miss", True, 1),
+        InstanceLoad("disk", True, 1, num_disk_blocks=32),
+        InstanceLoad("host", True, 1, num_host_blocks=32),
+        InstanceLoad("device", True, 1, num_cached_blocks=32),
+    ]
+    assert prefix_aware(loads, 32, weights, random.Random(0)) == ["device", "host", "disk", "miss"]
+    # A prefix split between the device and the host tier beats a shorter one wholly on the device.
+    split = InstanceLoad("split", True, 1, num_cached_blocks=8, num_host_blocks=24)
+    short = InstanceLoad("short", True, 1, num_cached_blocks=16)
+    assert prefix_aware([short, split], 32, weights, random.Random(0))[0] == "split"
+    with pytest.raises(AssertionError):
+        PrefixWeights(host=0.2, disk=0.5)
