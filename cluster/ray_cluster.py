@@ -99,6 +99,11 @@ class RayCluster:
             raise
         return self
 
+    def place_instances(self) -> None:
+        """Only the workers of `plans`, into a running cluster (`repair`: its token and
+        redis_url set first); the records of the new processes land in `records`."""
+        self._start_workers()
+
     def kill(self, name: str) -> None:
         """SIGKILL one process (fault-injection tests); its actor stays."""
         ray.get(self._actors[name][0].kill.remote())

@@ -13,6 +13,7 @@ processes under them are that session's members, so a node is killed by killing 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -72,10 +73,8 @@ class RayNodes:
         assert node.popen is not None
         members = [node.popen.pid, *(p.pid for p in session_members(node.popen.pid))]
         for pid in members:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         node.popen.wait(timeout=30)
         node.popen = None
 
