@@ -7,6 +7,10 @@ threads send short greedy requests back to back; node_b is killed mid-run. Repor
 the same run:
 
   - baseline: the p50 and max latency of a request before the loss;
+  - marked_unhealthy_after_s: from the kill to the router's log line that takes each of
+    node_b's instances out of routing;
+  - in_flight_latency_max_s: the slowest of the requests in flight at the kill (they
+    migrate or are retried on node_a), against the baseline's max;
   - first_success_after_s: from the kill to the end of the first request, started after the
     kill, that completed;
   - routed_around_s: from the kill to the end of the last request that failed (0 if none
@@ -19,6 +23,7 @@ the same run:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -88,7 +93,10 @@ def main() -> int:
                 print(up.stdout + up.stderr, file=sys.stderr)
                 return 1
             state = ClusterState.load(next((root / "state").glob("*.json")))
-            report = _measure(nodes, state.router_address, args)
+            report, killed_at_wall = _measure(nodes, state.router_address, args)
+            lost = [r.name for r in state.processes if r.node_ip == nodes.nodes["node_b"].ip]
+            router_log = Path(state.record("router").log_file)
+            report["marked_unhealthy_after_s"] = _unhealthy_after(router_log, lost, killed_at_wall)
         finally:
             _cli("down", *where, env=nodes.env)
             nodes.stop()
@@ -96,7 +104,8 @@ def main() -> int:
     return 0
 
 
-def _measure(nodes: RayNodes, address: str, args: argparse.Namespace) -> dict[str, object]:
+def _measure(nodes: RayNodes, address: str, args: argparse.Namespace) -> tuple[dict[str, object], float]:
+    """The report, and the wall-clock time of the kill."""
     samples: list[Sample] = []
     stop = threading.Event()
 
@@ -118,7 +127,7 @@ def _measure(nodes: RayNodes, address: str, args: argparse.Namespace) -> dict[st
     for thread in threads:
         thread.start()
     time.sleep(args.before_s)
-    killed_at = time.monotonic()
+    killed_at, killed_at_wall = time.monotonic(), time.time()
     nodes.kill("node_b")
     time.sleep(args.after_s)
     stop.set()
@@ -135,10 +144,27 @@ def _measure(nodes: RayNodes, address: str, args: argparse.Namespace) -> dict[st
         "baseline_latency_max_s": round(max(latencies), 3) if latencies else None,
         "first_success_after_s": None if first_ok is None else round(first_ok - killed_at, 3),
         "routed_around_s": round(max((s.end for s in failed_after_kill), default=killed_at) - killed_at, 3),
+        "in_flight_latency_max_s": round(max((s.end - s.start for s in in_flight), default=0.0), 3),
         "in_flight": _count(in_flight),
         "started_after": _count(after),
         "hung": sum(1 for t in threads if t.is_alive()),
-    }
+    }, killed_at_wall
+
+
+def _unhealthy_after(router_log: Path, names: list[str], killed_at: float) -> dict[str, float | None]:
+    """Seconds from the kill to the router's first "<name> at ... is unhealthy" line after it."""
+    found: dict[str, float | None] = dict.fromkeys(names)
+    for line in router_log.read_text(errors="replace").splitlines():
+        stamp, _, rest = line.partition(" router ")
+        for name in names:
+            if found[name] is None and f"{name} at " in rest and "is unhealthy" in rest:
+                try:
+                    at = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                except ValueError:
+                    continue
+                if at >= killed_at - 0.01:
+                    found[name] = round(at - killed_at, 3)
+    return found
 
 
 def _count(samples: list[Sample]) -> dict[str, int]:

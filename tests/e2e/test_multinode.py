@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -199,6 +199,9 @@ def test_a_lost_node_is_routed_around_and_repaired(
         assert not unclean, outcomes
         assert outcomes.count("completed") >= len(LOAD_PROMPTS) // 2, outcomes
 
+        router_log = Path(state.record("router").log_file).read_text().splitlines()
+        for name in on_b:  # the router took each of them out of routing
+            assert any(f"{name} at " in line and "is unhealthy" in line for line in router_log), router_log[-30:]
         prompts, want = reference  # the survivors answer as a single process does
         with Client(state.router_address, timeout_s=60) as client:
             got = [list(client.generate(token_ids=p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True).token_ids)
@@ -294,7 +297,7 @@ def _blocks_in_use(state: ClusterState, lost_node: str) -> dict[str, int]:
     from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
     from vllm_cluster.worker.rpc import make_channel
 
-    stubs = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWorkerStub}
+    stubs: dict[str, Any] = {"prefill": pb_grpc.PrefillWorkerStub, "decode": pb_grpc.DecodeWorkerStub}
     held = {}
     for record in state.processes:
         if record.role in stubs and record.node_ip != lost_node:
