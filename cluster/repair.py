@@ -5,7 +5,8 @@ actor lost with its node is not (its actors have max_restarts 0). Once the node,
 one the pool's placement rules allow, is back in the Ray cluster:
 
 1. Read the state file and the cluster YAML it names (the same `--set` overrides as `up`),
-   join the cluster's Ray.
+   join the cluster's Ray. Only a cluster of `up --detach` is repaired: a foreground `up`
+   owns its actors and would not stop the new ones.
 2. A prefill or decode instance is lost when its rank-0 actor is gone or does not answer,
    or its process exited for good. Nothing lost: say so, change nothing.
 3. For each lost instance: kill what is left of its actors, remove its placement group,
@@ -44,6 +45,11 @@ def repair_main(args: argparse.Namespace) -> int:
         deployment = load_deployment(state.config_file, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    if state.owner is not None:  # its actors live as long as that process; ours would outlive it
+        print(f"error: cluster {state.name!r} belongs to a foreground `vllm-cluster up` (pid {state.owner.pid}), "
+              "which stops every actor it started when it ends: stop it and bring the cluster up again "
+              "(`up --detach` clusters can be repaired)", file=sys.stderr)
         return 1
     from vllm_cluster.cluster.ray_head import connect
 

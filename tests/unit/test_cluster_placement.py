@@ -1,15 +1,19 @@
-"""Placement rules (`cluster.<pool>.placement`), `cluster.host: node`, and `status`'s
-reading of a lost node: pure decisions, no Ray."""
+"""Placement rules (`cluster.<pool>.placement`), `cluster.host: node`, `status`'s reading
+of a lost node, and what `repair` refuses: no Ray."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from vllm_cluster.cluster.argv import worker_argv
+from vllm_cluster.cluster.cli import main
 from vllm_cluster.cluster.config_file import load_deployment
 from vllm_cluster.cluster.layout import Resources, check_layout
+from vllm_cluster.cluster.procs import ProcessRef
+from vllm_cluster.cluster.state import ClusterState
 from vllm_cluster.cluster.status import InstanceStatus, nodes_gone
 from vllm_cluster.engine.errors import ConfigError
 
@@ -102,3 +106,16 @@ def test_a_node_is_gone_when_none_of_its_processes_answers() -> None:
                 _status("decode-1", "10.0.0.3", False), _status("prefill-2", "10.0.0.3", True)]
     assert nodes_gone(statuses) == {"10.0.0.2": ["prefill-1", "decode-0"]}  # 10.0.0.3: one crash, not a node
     assert nodes_gone([_status("prefill-0", "127.0.0.1", False)]) == {}  # one machine: crashes only
+
+
+def test_repair_refuses_a_cluster_a_foreground_up_owns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(TWO_NODES)
+    me = ProcessRef.of(os.getpid())
+    ClusterState(
+        name="two-nodes", config_file=str(config), token="t", api_key="", router_address="127.0.0.1:1",
+        http_address="http://127.0.0.1:2", redis_url="", log_dir=str(tmp_path), ray_address="10.0.0.1:6379",
+        ray_namespace="vllm-cluster.two-nodes", ray_head=None, owner=me,
+    ).save(tmp_path / "state" / "two-nodes.json")
+    assert main(["repair", "-f", str(config), "--state-dir", str(tmp_path / "state")]) == 1
+    assert "belongs to a foreground `vllm-cluster up`" in capsys.readouterr().err
