@@ -93,12 +93,15 @@ class RayNodes:
         cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--block", "--node-ip-address", node.ip,
                "--num-cpus", str(node.num_cpus), "--resources", f'{{"{node.name}": 100}}',
                "--object-store-memory", str(80 * 1024 * 1024), "--disable-usage-stats"]
+        # Ray's fixed default ports (10001, 52365, ...) would collide with another Ray here.
+        cmd += [f"--{flag}={_free_port(node.ip)}" for flag in (
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+            "runtime-env-agent-port")]
         if node.name == "node_a":
             cmd += ["--head", "--port", str(self.port), "--include-dashboard", "false",
-                    "--ray-client-server-port", str(_free_port(node.ip)),
-                    "--dashboard-agent-listen-port", str(_free_port(node.ip))]
+                    "--ray-client-server-port", str(_free_port(node.ip))]
         else:
-            cmd += ["--address", self.address, "--dashboard-agent-listen-port", str(_free_port(node.ip))]
+            cmd += ["--address", self.address]
         with open(log, "wb") as out:
             node.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=self.env, start_new_session=True)
