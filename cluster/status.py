@@ -41,6 +41,7 @@ class InstanceStatus:
     kv_cache_usage: float | None = None
     restarts: int = 0  # started again by its watchdog (cluster/restarts.py)
     last_exit: str = ""  # why it last exited on its own ("killed by SIGKILL"), if it did
+    node: str = ""  # the address of the Ray node it runs on
 
 
 def find_state(args: argparse.Namespace) -> tuple[Path, ClusterState]:
@@ -80,11 +81,27 @@ def status_main(args: argparse.Namespace) -> int:
                 f"{s.name:<12}{s.role:<9}{s.address:<24}{s.pid:>8}  "
                 f"{health:<12}{load[0]:>8}{load[1]:>8}{load[2]:>10}{s.restarts:>10}  {s.last_exit or '-'}"
             )
+        for node, names in nodes_gone(statuses).items():
+            print(f"node {node} is gone: {', '.join(names)} lost with it; once it is back, "
+                  f"`vllm-cluster repair` places them again")
     return 0 if all(s.alive and s.healthy for s in statuses) else 1
+
+
+def nodes_gone(statuses: list[InstanceStatus]) -> dict[str, list[str]]:
+    """Node address -> its processes, for each node of several where no process answers
+    (one process down is a crash its watchdog handles; all of them, a lost node)."""
+    by_node: dict[str, list[InstanceStatus]] = {}
+    for status in statuses:
+        by_node.setdefault(status.node, []).append(status)
+    if len(by_node) < 2:
+        return {}
+    return {node: [s.name for s in members] for node, members in by_node.items()
+            if not any(s.alive or s.healthy for s in members)}
 
 
 def probe(record: ProcessRecord, token: str) -> InstanceStatus:
     status = _probe(record, token)
+    status = replace(status, node=record.node_ip)
     exits = read_restarts(Path(record.log_file).parent, record.name)
     if not exits:
         return status
@@ -95,11 +112,12 @@ def probe(record: ProcessRecord, token: str) -> InstanceStatus:
 
 def _probe(record: ProcessRecord, token: str) -> InstanceStatus:
     process = current_process(record)
-    alive = process.alive() if record.node_ip in ("", "127.0.0.1") else True
+    here = record.node_ip in ("", "127.0.0.1")  # else its pid means nothing on this machine
+    alive = process.alive() if here else True
     if record.role == "redis":
-        return InstanceStatus(
-            record.name, record.role, record.address, process.pid, alive, alive and _redis_ok(record.address)
-        )
+        healthy = alive and _redis_ok(record.address)
+        return InstanceStatus(record.name, record.role, record.address, process.pid, alive if here else healthy,
+                              healthy)
     channel = make_channel(record.address, token)
     try:
         healthy = check_health(channel, timeout_s=2.0)
@@ -111,6 +129,7 @@ def _probe(record: ProcessRecord, token: str) -> InstanceStatus:
                 stats = None
     finally:
         channel.close()
+    alive = alive if here else healthy  # on another node: alive as far as it answers
     if stats is None:
         return InstanceStatus(record.name, record.role, record.address, process.pid, alive, healthy)
     return InstanceStatus(record.name, record.role, record.address, process.pid, alive, healthy,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm_cluster.client import Client, ClientError, Completion
+from vllm_cluster.cluster.argv import bind_host
 from vllm_cluster.cluster.cli_args import FLAG_KEYS
 from vllm_cluster.cluster.config import Deployment
 from vllm_cluster.cluster.config_file import load_deployment
@@ -204,7 +205,8 @@ def _check_here(deployment: Deployment) -> list[InstancePlan]:
     from vllm_cluster.cluster.ray_head import local_resources
 
     plans = check_layout(deployment, local_resources(deployment.engine.device))
-    check_ports_free(deployment, listen_ports(deployment, plans), deployment.cluster.host or "127.0.0.1")
+    host = bind_host(deployment.cluster.host).replace("{node_ip}", "127.0.0.1")  # a local Ray's node address
+    check_ports_free(deployment, listen_ports(deployment, plans), host)
     return plans
 
 

@@ -89,7 +89,7 @@ def make_sender(
 ) -> KVSender:
     """A sender for a backend, named directly ("ucx") or by an endpoint ("ucx://HOST:PORT").
     `host`: this process's KV address, where the ucx backend's UCX listens for receivers'
-    endpoints (the other backends listen nowhere on a sender)."""
+    endpoints and the nccl backend's gloo sockets bind (cuda_ipc and local use none)."""
     backend = backend_of(endpoint_or_backend)
     if backend == "ucx":
         from vllm_cluster.kv_transfer.ucx import UcxSender
@@ -98,7 +98,7 @@ def make_sender(
     if backend == "nccl":
         from vllm_cluster.kv_transfer.torch_dist import TorchDistSender
 
-        return TorchDistSender(kv_caches, layout, sender_id, cluster_token)
+        return TorchDistSender(kv_caches, layout, sender_id, cluster_token, host)
     if backend == "cuda_ipc":
         from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcSender
 

@@ -226,9 +226,10 @@ class _DistPeer:
     """
 
     def __init__(
-        self, endpoint: str, handshake: bytes, device: torch.device, table: SendTable
+        self, endpoint: str, handshake: bytes, device: torch.device, table: SendTable, host: str = ""
     ) -> None:
         self.endpoint = endpoint
+        self.local_host = host  # where this side's gloo socket binds ("": the route's source address)
         self.host, self.port = parse_endpoint(endpoint, "nccl")
         self.handshake = handshake
         self.device = device
@@ -276,7 +277,7 @@ class _DistPeer:
         if not reply.accepted:
             self.failure = reply.error
             return ctl
-        address = local_address_towards(self.host, self.port)
+        address = self.local_host or local_address_towards(self.host, self.port)
         group_store = dist.PrefixStore(f"peer{index}/group", client)
         self.group = pair_group(group_store, 1, self.device, address)
         return ctl
@@ -321,9 +322,13 @@ class _DistPeer:
 
 class TorchDistSender:
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = ""
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = "",
+        host: str = "",
     ) -> None:
+        """`host`: this process's KV address, where its gloo sockets bind; "" or a wildcard: the
+        address the route to each receiver leaves from (loopback for a receiver on 127.0.0.1)."""
         check_kv_caches(kv_caches)
+        self._host = "" if host in ("", "0.0.0.0", "::") else host
         self.kv_caches = list(kv_caches)
         self._table = SendTable()
         self._handshake = handshake_message(layout, sender_id, cluster_token).SerializeToString()
@@ -370,7 +375,7 @@ class TorchDistSender:
                 raise KVTransferError("push_layer on a closed TorchDistSender")
             peer = self._peers.get(endpoint)
             if peer is None or peer.broken:
-                peer = _DistPeer(endpoint, self._handshake, self.kv_caches[0].device, self._table)
+                peer = _DistPeer(endpoint, self._handshake, self.kv_caches[0].device, self._table, self._host)
                 self._peers[endpoint] = peer
                 self._all_peers.append(peer)
             return peer

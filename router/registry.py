@@ -120,7 +120,10 @@ class Registry:
             instance.num_inflight -= 1
 
     def mark_unhealthy(self, instance: Instance) -> None:
+        """A call found it unreachable: out of routing until a poll finds it again."""
         with self._lock:
+            if instance.healthy:
+                logger.warning("%s at %s is unhealthy: a call found it unreachable", instance.name, instance.address)
             instance.healthy = False
 
     def poll(self) -> None:

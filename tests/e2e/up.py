@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 
-def cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`env`: the command's whole environment (None: this process's)."""
     return subprocess.run([sys.executable, "-m", "vllm_cluster.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=Path(__file__).resolve().parents[2])
+                          timeout=timeout_s, cwd=Path(__file__).resolve().parents[2], env=env)
