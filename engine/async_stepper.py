@@ -9,6 +9,10 @@ One call of `step`:
      are copied to pinned host memory without waiting; an event marks them ready.
   3. Only now wait for step N's ids and apply them (stop conditions, max_tokens). The
      updates returned are step N's.
+  With a constrained request (structured output) among step N+1's samplers, 2 and 3 meet
+  in the middle: the forward of N+1 is queued, then step N's ids are waited for and
+  applied (each grammar advances past its token), and only then are N+1's grammar masks
+  filled on the host, while the device still runs N+1's forward, and its sampling queued.
 
 Invariants:
   - At most one step is in flight, so at any schedule only the step before it is unapplied
@@ -17,8 +21,8 @@ Invariants:
     that step's token dropped, never emitted: one step of wasted compute at most. One that
     reaches max_tokens with its last token in flight is not scheduled again.
   - While any request needs its tokens on the host before its next step (logprobs,
-    prompt logprobs, penalties, bad words, a grammar), the step in flight is drained and steps run
-    synchronously.
+    prompt logprobs, penalties, bad words), the step in flight is drained and steps run
+    synchronously. A grammar does not: its mask is needed only when the next step samples.
   - Blocks freed while a step is in flight (finish, abort, preemption) are reused only by
     steps queued after it on the same stream. `wait_device` covers writers outside that
     stream (a decode reservation's KV transfer).
@@ -74,8 +78,6 @@ class AsyncStepper:
             self._host_bound.add(request.request_id)
         if params.bad_words_token_ids:  # which token is banned depends on the last ones generated
             self._host_bound.add(request.request_id)
-        if request.grammar is not None:  # its next mask depends on the token before it
-            self._host_bound.add(request.request_id)
 
     def wait_device(self) -> None:
         """Block until the step in flight has finished on the device (its tokens stay unapplied)."""
@@ -88,11 +90,14 @@ class AsyncStepper:
         if prev is not None and not overlap:
             return self._apply(prev)  # drain; the next call runs synchronously
         output = self.scheduler.schedule()
+        applied = None
         if not output.is_empty:
-            launched = self._launch(output, prev, overlap)
+            launched, applied = self._launch(output, prev, overlap)
             if not overlap:
                 return self._apply(launched)
             self._in_flight = launched
+        if applied is not None:
+            return applied
         return [] if prev is None else self._apply(prev)
 
     def _may_overlap(self) -> bool:
@@ -100,11 +105,18 @@ class AsyncStepper:
             self._host_bound = {r for r in self._host_bound if r in self.scheduler.requests}
         return not self._host_bound
 
-    def _launch(self, output: SchedulerOutput, prev: _LaunchedStep | None, overlap: bool) -> _LaunchedStep:
+    def _launch(
+        self, output: SchedulerOutput, prev: _LaunchedStep | None, overlap: bool
+    ) -> tuple[_LaunchedStep, list[RequestUpdate] | None]:
+        """Queue the step; with a grammar among its samplers, also apply `prev` (its updates
+        are returned) before the masks are filled."""
         requests = self.scheduler.requests
         scheduled_requests = [requests[item.request_id] for item in output.scheduled]
         sample_ids, logits = self.run_model(output, None if prev is None else prev.device_tokens)
         sampling = [requests[r] for r in sample_ids]
+        applied = None
+        if prev is not None and any(r.grammar is not None for r in sampling):
+            applied = self._apply(prev)  # the host waits here while the device runs the forward
         step = _LaunchedStep(output, scheduled_requests, sample_ids, None, None, None)
         if overlap:
             token_ids = self.sampler.token_ids(logits, sampling)  # [N] long, on the device
@@ -116,7 +128,7 @@ class AsyncStepper:
         else:
             step.sampled = self.sampler(logits, sampling)
         self.scheduler.sampling_launched(output)
-        return step
+        return step, applied
 
     def _apply(self, step: _LaunchedStep) -> list[RequestUpdate]:
         sampled = step.sampled

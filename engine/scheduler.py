@@ -294,8 +294,9 @@ class Scheduler:
     def sampling_launched(self, output: SchedulerOutput) -> None:
         """Async: the step's sampling is queued; its tokens are pending until update_from_output."""
         for item in output.scheduled:
-            if item.samples:
-                self.requests[item.request_id].num_pending_tokens += 1
+            request = self.requests.get(item.request_id)  # gone: finished by the step applied before this one sampled
+            if item.samples and request is not None:
+                request.num_pending_tokens += 1
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -131,7 +131,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: Sequence[Request]) -> 
     for i in rows:
         grammar = requests[i].grammar
         assert grammar is not None
-        grammar.fill_bitmask(bitmask, i)
+        if not grammar.is_terminated:  # ended a step ago (async scheduling): its row stays open, its token is dropped
+            grammar.fill_bitmask(bitmask, i)
     if logits.is_cuda:
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=None if len(rows) == len(requests) else rows)

@@ -98,3 +98,36 @@ def test_async_abort_mid_stream(smollm2: LLM, async_llm: LLM) -> None:
         assert loop.call(lambda core: (core.has_unfinished(), pool.num_free_blocks)) == (False, pool.num_blocks)
     finally:
         loop.stop()
+
+
+def test_constrained_requests_overlap_steps_and_give_the_sync_tokens(smollm2: LLM, async_llm: LLM) -> None:
+    """A grammar's mask is filled after the previous step's token is applied, while the next
+    step's forward runs: steps stay overlapped (a step is in flight after each call), and the
+    tokens, constrained (ending when the grammar completes) or not, are the synchronous ones."""
+    from vllm_cluster.engine import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompts = ["A person, as JSON:", "A person, as JSON:", PROMPT, "Three digits:"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")),
+    ]
+    expected = smollm2.generate(prompts, params, use_tqdm=False)
+    got = async_llm.generate(prompts, params, use_tqdm=False)
+    assert _summary(got) == _summary(expected)
+    assert [o.outputs[0].finish_reason for o in got] == ["stop", "stop", "length", "stop"]
+    _assert_idle(async_llm)
+
+    core = async_llm.core
+    tok = smollm2.get_tokenizer()
+    core.add_request(core.make_request("constrained", tok.encode(prompts[0]), params[0]))
+    in_flight = []
+    while core.has_unfinished():
+        core.step()
+        in_flight.append(core._async is not None and core._async.busy)
+    assert sum(in_flight) >= len(in_flight) - 2  # every step but the last overlapped the next
+    _assert_idle(async_llm)
