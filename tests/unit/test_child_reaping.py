@@ -52,6 +52,11 @@ def test_embedded_redis_is_reaped_when_it_dies_and_when_stopped() -> None:
         crashed = server._process.pid
         os.kill(crashed, signal.SIGKILL)  # dies on its own: nobody calls stop()
         assert_reaped(crashed)
+        # The reaper thread's Popen.wait() stores the code a moment after the zombie is gone;
+        # until then poll() (which `running` reads) answers None.
+        deadline = time.monotonic() + 10
+        while server.running and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not server.running
         server.stop()
         server.start()
