@@ -47,9 +47,7 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _attend_tile(
-    q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr
-):
+def _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step of the GROUP query heads over a tile holding at least one
     valid token; k and v are read in q's dtype. Returns the new (max, sum, acc)."""
     k = k.to(q.dtype)
@@ -210,9 +208,7 @@ def decode_split_kernel(
             kv_head_ptr, table_ptr, tile_start, begin, cached_end, dims, stride_kv_block, stride_kv_kv,
             stride_kv_token, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING,
         )  # fmt: skip
-        max_i, sum_i, acc = _attend_tile(
-            q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION, SOFTCAP
-        )
+        max_i, sum_i, acc = _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION, SOFTCAP)
     if ROTARY:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if (split_start <= seq_len - 1) & (seq_len - 1 < split_end):  # the split holding the new token
             max_i, sum_i, acc = _attend_new_token(q, k_new, v_new, max_i, sum_i, acc, qk_scale, SOFTCAP)

@@ -23,7 +23,7 @@ from vllm_cluster.kernels.attention import reference as attention_reference
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
 from vllm_cluster.kernels.attention.softcap import softcapped_paged_attention
 from vllm_cluster.kernels.attention.triton_decode import decode_attention, rotary_decode_attention
-from vllm_cluster.kernels.attention.triton_prefill import prefill_attention
+from vllm_cluster.kernels.attention.triton_prefill import PrefillTileConfig, prefill_attention
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 RTOL = {torch.float32: 0.0, torch.float16: 1e-3}
@@ -68,8 +68,9 @@ def test_reference_caps_the_scores() -> None:
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_prefill_matches_the_reference(
-    block_size: int, config, softcap: float, q_gain: float, window: int | None, dtype: torch.dtype  # noqa: ANN001
-) -> None:
+    block_size: int, config: PrefillTileConfig, softcap: float, q_gain: float, window: int | None,
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
     q, cache, tables, loc, lens = _prefill_inputs(block_size, dtype, q_gain)
     out = prefill_attention(
         q, cache, tables, loc, lens, SCALE, max(Q_LENS), config=config, sliding_window=window, softcap=softcap
@@ -92,9 +93,7 @@ def test_triton_decode_matches_the_reference(
 ) -> None:
     q, cache, tables, lens = decode_tests.make_inputs(DECODE_SEQ_LENS, 8, 2, 32, 16, dtype)
     q = q * q_gain
-    out = decode_attention(
-        q, cache, tables, lens, SCALE, num_splits=num_splits, sliding_window=window, softcap=softcap
-    )
+    out = decode_attention(q, cache, tables, lens, SCALE, num_splits=num_splits, sliding_window=window, softcap=softcap)
     expected = attention_reference.decode_attention(
         q, cache, tables, lens, SCALE, sliding_window=window, softcap=softcap
     )
