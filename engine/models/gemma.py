@@ -8,11 +8,10 @@ The MLP is GeGLU (gelu, tanh approximation); the embeddings are scaled by sqrt(h
 rounded to the model's dtype; the softmax scale is query_pre_attn_scalar ** -0.5; logits may
 be soft-capped (final_logit_softcapping: CausalLM.compute_logits). Sliding layers attend within
 sliding_window, the others globally (ModelArchConfig.gemma.layer_windows). Gemma 2 soft-caps
-the attention scores (attn_logit_softcapping: Attention.softcap, in the Triton kernels on
-CUDA). Gemma 3 normalises
-each head of q and k and rotates its sliding layers with a base of their own, unscaled
-(DualRotary). The layers keep the pipeline contract of DecoderLayer.forward and run unfused
-(DecoderModel.forward_unfused). No distributed code here.
+the attention scores (attn_logit_softcapping: Attention.softcap, which the attention kernels
+apply on CPU and CUDA alike). Gemma 3 normalises each head of q and k and rotates its sliding
+layers with a base of their own, unscaled (DualRotary). The layers keep the pipeline contract
+of DecoderLayer.forward and run unfused (DecoderModel.forward_unfused). No distributed code here.
 """
 
 from __future__ import annotations
