@@ -174,10 +174,12 @@ def _gemv_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return linear(hidden, self.lm_head.weight)
 
 
-def _rotary_write_then_attend(q, k, v, cos, sin, kv_cache, meta, scale, k_scale=None, v_scale=None):  # type: ignore[no-untyped-def]
+def _rotary_write_then_attend(  # type: ignore[no-untyped-def]
+    q, k, v, cos, sin, kv_cache, meta, scale, k_scale=None, v_scale=None, sliding_window=None, softcap=None
+):
     """`--decode-rotary off`: the rotary + KV write launch, then the attention, for decode too."""
     q, k = attention_ops.rotary_write_kv_cache(q, k, v, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
-    return attention_ops.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
+    return attention_ops.paged_attention(q, k, v, kv_cache, meta, scale, k_scale, v_scale, sliding_window, softcap)
 
 
 def _free(llm: LLM) -> None:

@@ -7,7 +7,10 @@ model's dtype ignores them.
 
 sliding_window: this layer's window W, or None for global attention: the query at position p
 attends only to the keys at p - W < k <= p (W tokens, itself included, as transformers'
-Mistral and Gemma do). A model may give each layer its own (Gemma 2/3 alternate)."""
+Mistral and Gemma do). A model may give each layer its own (Gemma 2/3 alternate).
+
+softcap: this layer's attention logit soft-cap, or None: each score s becomes
+softcap * tanh(s / softcap) before the mask and the softmax (Gemma 2's attn_logit_softcapping)."""
 
 from __future__ import annotations
 
@@ -37,10 +40,13 @@ class Attention(nn.Module):
         scale: float | None = None,
         qk_norm_per_head: bool = True,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window}"
+        assert softcap is None or softcap > 0, f"softcap {softcap}"
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -87,7 +93,7 @@ class Attention(nn.Module):
         # writes in one launch; decode attention rotates and writes the new token itself.
         o = rotary_paged_attention(
             q, k, v, rope.cos, rope.sin, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
-            self.sliding_window,
+            self.sliding_window, self.softcap,
         )  # [T, Hq, D]
         return o.reshape(-1, self.q_size)
 

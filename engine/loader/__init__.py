@@ -152,11 +152,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, se
 
 def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """The model with its weights allocated but not filled (parallel ranks receive them)."""
-    if device.type == "cuda" and arch.gemma is not None and arch.gemma.attn_logit_softcapping is not None:
-        raise ModelLoadError(
-            f"{arch.architecture}: attn_logit_softcapping ({arch.gemma.attn_logit_softcapping}) has no CUDA "
-            "attention kernel yet: run this model with device: cpu"
-        )
     with torch.device("meta"):
         model = CausalLM(arch)
     # Cast on meta, then allocate: an fp32 copy of a large model (Mixtral 8x7B) would not fit.

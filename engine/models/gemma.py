@@ -8,10 +8,10 @@ The MLP is GeGLU (gelu, tanh approximation); the embeddings are scaled by sqrt(h
 rounded to the model's dtype; the softmax scale is query_pre_attn_scalar ** -0.5; logits may
 be soft-capped (final_logit_softcapping: CausalLM.compute_logits). Sliding layers attend within
 sliding_window, the others globally (ModelArchConfig.gemma.layer_windows). Gemma 2 soft-caps
-the attention scores (attn_logit_softcapping: SoftcapAttention, CPU only). Gemma 3 normalises
-each head of q and k and rotates its sliding layers with a base of their own, unscaled
-(DualRotary). The layers keep the pipeline contract of DecoderLayer.forward and run unfused
-(DecoderModel.forward_unfused). No distributed code here.
+the attention scores (attn_logit_softcapping: Attention.softcap, which the attention kernels
+apply on CPU and CUDA alike). Gemma 3 normalises each head of q and k and rotates its sliding
+layers with a base of their own, unscaled (DualRotary). The layers keep the pipeline contract
+of DecoderLayer.forward and run unfused (DecoderModel.forward_unfused). No distributed code here.
 """
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ from vllm_cluster.engine.layers.mlp import MLP
 from vllm_cluster.engine.layers.norm import RMSNorm
 from vllm_cluster.engine.layers.rotary import Rope, RotaryEmbedding
 from vllm_cluster.engine.models.config import ModelArchConfig
-from vllm_cluster.kernels.attention.dispatch import rotary_write_kv_cache
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata
-from vllm_cluster.kernels.attention.softcap import softcapped_paged_attention
-from vllm_cluster.kernels.linear.add_norm import Normed
 
 
 class DualRope(NamedTuple):
@@ -58,34 +55,6 @@ def make_rotary(config: ModelArchConfig) -> nn.Module:
     return RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
 
 
-class SoftcapAttention(Attention):
-    """Attention whose scores are soft-capped before the softmax (Gemma 2), through the torch
-    path of kernels/attention/softcap.py: the Triton kernels do not soft-cap."""
-
-    def __init__(self, config: ModelArchConfig, sliding_window: int | None, softcap: float) -> None:
-        super().__init__(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            qkv_bias=False, qk_norm_eps=None, scale=_scale(config), sliding_window=sliding_window,
-        )  # fmt: skip
-        self.softcap = softcap
-
-    def attend(
-        self, rope: Rope, x: torch.Tensor | Normed, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """x [T, hidden] -> the heads' outputs [T, Hq * D] (o_proj not applied)."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary_write_kv_cache(
-            q, k, v, rope.cos, rope.sin, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale
-        )
-        o = softcapped_paged_attention(
-            q, kv_cache, meta, self.scale, self.softcap, self.sliding_window, self.k_scale, self.v_scale
-        )  # [T, Hq, D]
-        return o.reshape(-1, self.q_size)
-
-
 def _scale(config: ModelArchConfig) -> float:
     assert config.gemma is not None
     return float(config.gemma.query_pre_attn_scalar**-0.5)
@@ -94,11 +63,10 @@ def _scale(config: ModelArchConfig) -> float:
 def make_attention(config: ModelArchConfig, layer_id: int) -> Attention:
     assert config.gemma is not None
     window = config.gemma.layer_windows[layer_id]
-    if config.gemma.attn_logit_softcapping is not None:
-        return SoftcapAttention(config, window, config.gemma.attn_logit_softcapping)
     attention = Attention(
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         qkv_bias=False, qk_norm_eps=None, scale=_scale(config), sliding_window=window,
+        softcap=config.gemma.attn_logit_softcapping,
     )  # fmt: skip
     if config.qk_norm:  # Gemma 3: each head of q and k, Gemma's RMSNorm
         attention.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)

@@ -3,7 +3,9 @@ they run the Triton kernels (`triton_*.py`), elsewhere the torch path (`torch_op
 `reference.py` holds the plain definitions both are tested against. A KV cache of
 float8_e4m3fn stores K and V scaled by a layer's k_scale / v_scale ([1] fp32 device tensors;
 kernels/attention/fp8_kv.py); other caches ignore the scales. `sliding_window` is the layer's
-window W or None: a query at position p attends to the keys at p - W < k <= p.
+window W or None: a query at position p attends to the keys at p - W < k <= p. `softcap` is the
+layer's attention logit soft-cap or None (Gemma 2): each score s becomes softcap * tanh(s /
+softcap) before the mask and the softmax; on CPU such a layer takes kernels/attention/softcap.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from vllm_cluster.kernels.attention import torch_ops
 from vllm_cluster.kernels.attention.metadata import AttentionMetadata
+from vllm_cluster.kernels.attention.softcap import softcapped_paged_attention
 from vllm_cluster.kernels.elementwise.dispatch import rotary_embedding
 
 
@@ -25,11 +28,14 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's context in the paged cache.
 
     query: [T, Hq, D]; key, value: [T, Hkv, D], already written to kv_cache -> [T, Hq, D].
     """
+    if not query.is_cuda and softcap is not None:
+        return softcapped_paged_attention(query, kv_cache, meta, scale, softcap, sliding_window, k_scale, v_scale)
     if not query.is_cuda:
         return torch_ops.paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale, sliding_window)
     if meta.is_decode_only:
@@ -37,13 +43,14 @@ def paged_attention(
 
         return decode_attention(
             query, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.max_seq_len,
-            k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+            k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
     from vllm_cluster.kernels.attention.triton_prefill import prefill_attention
 
     return prefill_attention(
         query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
         max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+        softcap=softcap,
     )  # fmt: skip
 
 
@@ -59,6 +66,7 @@ def rotary_paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`rotary_write_kv_cache` of the new tokens, then `paged_attention`: query [T, Hq, D],
     key and value [T, Hkv, D] not yet rotated, cos / sin [T, D/2] fp32 -> [T, Hq, D]. On CUDA
@@ -71,9 +79,10 @@ def rotary_paged_attention(
         return rotary_decode_attention(
             query, key, value, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale,
             max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+            softcap=softcap,
         )  # fmt: skip
     query, key = rotary_write_kv_cache(query, key, value, cos, sin, kv_cache, meta.slot_mapping, k_scale, v_scale)
-    return paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale, sliding_window)
+    return paged_attention(query, key, value, kv_cache, meta, scale, k_scale, v_scale, sliding_window, softcap)
 
 
 def write_kv_cache(

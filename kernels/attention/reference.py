@@ -8,6 +8,8 @@ Written for clarity, not speed (loops over sequences). Shapes:
                 cache of another dtype ignores them
   sliding_window  a layer's window W, or None: the query at position p sees the keys at
                 positions p - W < k <= p (W tokens, itself included, as transformers' Mistral)
+  softcap       a layer's attention logit soft-cap, or None: each score s becomes
+                softcap * tanh(s / softcap) after the scale, before the mask (Gemma 2)
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ def _context(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [Q, Hq, D] at the last Q positions of a context k, v: [L, Hkv, D]; causal (within
     the window, if any); fp32 math."""
@@ -43,6 +50,8 @@ def _attend(
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(seq_len - num_q, seq_len)[:, None]
     mask = torch.arange(seq_len)[None, :] <= q_pos  # [Q, L]
     if sliding_window is not None:
@@ -60,6 +69,7 @@ def decode_attention(
     k_scale: Scale = None,
     v_scale: Scale = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence -> [B, Hq, D]."""
     out = torch.zeros_like(q)
@@ -67,7 +77,7 @@ def decode_attention(
         seq_len = int(seq_lens[b])
         if seq_len > 0:
             k, v = _context(kv_cache, block_tables[b], seq_len, k_scale, v_scale)
-            out[b] = _attend(q[b : b + 1], k, v, scale, sliding_window)[0]
+            out[b] = _attend(q[b : b + 1], k, v, scale, sliding_window, softcap)[0]
     return out
 
 
@@ -81,6 +91,7 @@ def prefill_attention(
     k_scale: Scale = None,
     v_scale: Scale = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch; sequence b owns q[loc[b]:loc[b+1]], the last tokens of
     its seq_lens[b]-long context (a cached prefix may come first) -> [T, Hq, D]."""
@@ -89,7 +100,7 @@ def prefill_attention(
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
         if end > start:
             k, v = _context(kv_cache, block_tables[b], int(seq_lens[b]), k_scale, v_scale)
-            out[start:end] = _attend(q[start:end], k, v, scale, sliding_window)
+            out[start:end] = _attend(q[start:end], k, v, scale, sliding_window, softcap)
     return out
 
 

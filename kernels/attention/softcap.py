@@ -1,6 +1,7 @@
 """Paged attention with the scores soft-capped before the softmax, tanh(s / cap) * cap (Gemma 2's
-attn_logit_softcapping), in torch: the engine's CPU path for such layers. The Triton kernels do
-not soft-cap, so engine/loader refuses such a model on CUDA.
+attn_logit_softcapping), in torch: the engine's CPU path for such layers
+(kernels/attention/dispatch.py); on CUDA the Triton kernels soft-cap themselves
+(kernels/attention/triton_softcap.py).
 
 Each sequence's context (its K and V already written to the cache) is read through its block
 table and attended with the mask of kernels/attention/dispatch.py: causal, and within the
@@ -27,8 +28,6 @@ def softcapped_paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [T, Hq, D] (the new tokens, whose K and V are in kv_cache already) -> [T, Hq, D]."""
-    if query.is_cuda:
-        raise NotImplementedError("attention logit soft-capping has no CUDA kernel: run this model on CPU")
     plan = meta.cpu_plan
     assert plan is not None, "the torch attention path needs AttentionMetadata.cpu_plan"
     block_size = kv_cache.shape[2]

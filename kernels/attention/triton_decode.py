@@ -27,7 +27,9 @@ sequence of length 0 gets zeros. An fp8 cache (kernels/attention/fp8_kv.py) is u
 (exact) as it is loaded; k_scale is folded into the softmax scale and v_scale into the
 partial sums, both read from device memory (a CUDA graph replays them). A sliding window
 (a layer's, or None) limits each row to its last `sliding_window` tokens: the splits share
-out only those, so a long context costs what the window does.
+out only those, so a long context costs what the window does. A soft-cap (a layer's
+attn_logit_softcapping, or None) caps every score before the softmax
+(kernels/attention/triton_softcap.py).
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D], one new token per sequence -> [B, Hq, D] in q's dtype.
 
@@ -121,7 +124,8 @@ def decode_attention(
     and replay.
     """
     return _decode(
-        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, None, sliding_window
+        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, None, sliding_window,
+        softcap,
     )
 
 
@@ -141,6 +145,7 @@ def rotary_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`rotary_write_kv_cache` (kernels/attention/dispatch.py) of the new tokens, then `decode_attention`, with no
     launch between them: q [B, Hq, D], k and v [B, Hkv, D] (not rotated; views of the qkv
@@ -161,7 +166,8 @@ def rotary_decode_attention(
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1
     new = NewTokens(k, v, cos, sin, slot_mapping)
     return _decode(
-        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new, sliding_window
+        q, kv_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale, v_scale, new, sliding_window,
+        softcap,
     )
 
 
@@ -186,6 +192,7 @@ def _decode(
     v_scale: torch.Tensor | None,
     new: NewTokens | None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Both launches; `new`: rotate and cache the new tokens first (`rotary_decode_attention`)."""
     batch_size, num_heads, head_dim = q.shape
@@ -197,6 +204,7 @@ def _decode(
     assert kv_fp8 or kv_cache.dtype == q.dtype, f"kv_cache is {kv_cache.dtype}, q is {q.dtype}"
     assert not kv_fp8 or (k_scale is not None and v_scale is not None), "an fp8 cache needs k_scale and v_scale"
     assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window}"
+    assert softcap is None or softcap > 0, f"softcap {softcap}"
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -239,6 +247,7 @@ def _decode(
         ROTARY=new is not None,
         EARLY_TILE=new is not None and EARLY_FIRST_TILE,
         SLIDING=sliding_window is not None,
+        SOFTCAP=float(softcap or 0.0),
         num_warps=4,
         num_stages=num_stages,
         launch_pdl=use_pdl,

@@ -5,7 +5,9 @@ query head, or the normalised output when there is one split. With ROTARY it fir
 q and the new k and attends over the new token itself (the first split caches it); with
 EARLY_TILE it loads its first tile of cached K/V before the PDL wait. With SLIDING (a
 layer's window of `window` tokens) the splits share out only the tiles from the one holding
-the window's first token (seq_len - window), whose earlier tokens are masked.
+the window's first token (seq_len - window), whose earlier tokens are masked. With SOFTCAP (a
+layer's attn_logit_softcapping; 0 = none) every score, the new token's too, is soft-capped
+before the mask and the softmax (kernels/attention/triton_softcap.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm_cluster.kernels.attention.triton_rotary_kv import cos_sin_row, rotate_and_cache_new_kv, rotate_heads
+from vllm_cluster.kernels.attention.triton_softcap import soft_cap_log2
 from vllm_cluster.kernels.sync import pdl
 
 
@@ -44,11 +47,13 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step of the GROUP query heads over a tile holding at least one
     valid token; k and v are read in q's dtype. Returns the new (max, sum, acc)."""
     k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
+    if SOFTCAP > 0:
+        scores = soft_cap_log2(scores, SOFTCAP)
     scores = tl.where(token_ok[None, :], scores, float("-inf"))
     max_new = tl.maximum(max_i, tl.max(scores, 1))  # finite: the tile has a valid token
     alpha = tl.exp2(max_i - max_new)
@@ -60,11 +65,13 @@ def _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION: 
 
 
 @triton.jit
-def _attend_new_token(q, k_new, v_new, max_i, sum_i, acc, qk_scale):
+def _attend_new_token(q, k_new, v_new, max_i, sum_i, acc, qk_scale, SOFTCAP: tl.constexpr):
     """One more online-softmax step, for the new token ([1, D] k and v as the cache holds them:
     rounded to its dtype, or fp8), read in q's dtype as the tiles are."""
     k_row = k_new.to(q.dtype).to(tl.float32)
     scores = tl.sum(q.to(tl.float32) * k_row, 1) * qk_scale  # [G]
+    if SOFTCAP > 0:
+        scores = soft_cap_log2(scores, SOFTCAP)
     max_new = tl.maximum(max_i, scores)
     alpha = tl.exp2(max_i - max_new)
     p = tl.exp2(scores - max_new)
@@ -121,6 +128,7 @@ def decode_split_kernel(
     ROTARY: tl.constexpr,
     EARLY_TILE: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -192,7 +200,7 @@ def decode_split_kernel(
     if EARLY_TILE:
         if split_start < cached_end:
             max_i, sum_i, acc = _attend_tile(
-                q, k_first, v_first, ok_first, max_i, sum_i, acc, qk_scale, DOT_PRECISION
+                q, k_first, v_first, ok_first, max_i, sum_i, acc, qk_scale, DOT_PRECISION, SOFTCAP
             )
         loop_start = split_start + TILE_N
     for tile_start in range(loop_start, cached_end, TILE_N):
@@ -200,10 +208,10 @@ def decode_split_kernel(
             kv_head_ptr, table_ptr, tile_start, begin, cached_end, dims, stride_kv_block, stride_kv_kv,
             stride_kv_token, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING,
         )  # fmt: skip
-        max_i, sum_i, acc = _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION)
+        max_i, sum_i, acc = _attend_tile(q, k, v, token_ok, max_i, sum_i, acc, qk_scale, DOT_PRECISION, SOFTCAP)
     if ROTARY:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if (split_start <= seq_len - 1) & (seq_len - 1 < split_end):  # the split holding the new token
-            max_i, sum_i, acc = _attend_new_token(q, k_new, v_new, max_i, sum_i, acc, qk_scale)
+            max_i, sum_i, acc = _attend_new_token(q, k_new, v_new, max_i, sum_i, acc, qk_scale, SOFTCAP)
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 

@@ -18,6 +18,9 @@ With a sliding window W (SLIDING, a layer's window; `window` holds W) the row at
 sees the keys p - W < k <= p: the walk starts at the tile holding the tile's lowest visible
 key, the tiles below the window's edge for some row are masked as the diagonal's are, and
 whole tiles outside every row's window are never read.
+
+With SOFTCAP (a layer's attn_logit_softcapping; 0 = none) each score is soft-capped before
+the mask and the softmax (kernels/attention/triton_softcap.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 
 from vllm_cluster.kernels.attention.fp8_kv import is_fp8
+from vllm_cluster.kernels.attention.triton_softcap import soft_cap_log2
 
 _LOG2_E = 1.4426950408889634
 
@@ -93,7 +97,7 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos
                  qk_scale, window, key_start, stride_kv_block, stride_kv_tok,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
                  CACHE_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over context tokens start:start+BLOCK_N.
 
     acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M] fp32 (m_i in log2 units); q: [BLOCK_M, BLOCK_D].
@@ -113,6 +117,8 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos
     v = _load_tile(v_base + ptr_offs, token_valid, offs_d, HEAD_DIM, MASKED, PAD_D).to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP > 0:
+        qk = soft_cap_log2(qk, SOFTCAP)
     if MASKED:
         visible = (tokens[None, :] <= q_pos[:, None]) & token_valid[None, :]
         if SLIDING:
@@ -142,7 +148,7 @@ def _prefill_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAD_D: tl.constexpr, CACHE_BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    SLIDING: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # Rows of the tile are (token, q head of the group) pairs: TILE_Q tokens x QUERIES_PER_KV.
     TILE_Q: tl.constexpr = BLOCK_M // QUERIES_PER_KV
@@ -193,19 +199,19 @@ def _prefill_attention_kernel(
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos, seq_len, qk_scale,
                 window, key_start, stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE,
-                BLOCK_N, True, SLIDING, DOT_PRECISION)
+                BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION)
     for start in range(full_start, unmasked_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos, seq_len, qk_scale,
             window, key_start, stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE,
-            BLOCK_N, False, SLIDING, DOT_PRECISION)
+            BLOCK_N, False, SLIDING, SOFTCAP, DOT_PRECISION)
     for start in range(unmasked_end, causal_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_base, v_base, block_table_ptr, start, q_pos, seq_len, qk_scale,
             window, key_start, stride_kv_block, stride_kv_tok, HEAD_DIM, BLOCK_D, PAD_D, CACHE_BLOCK_SIZE,
-            BLOCK_N, True, SLIDING, DOT_PRECISION)
+            BLOCK_N, True, SLIDING, SOFTCAP, DOT_PRECISION)
 
     if SLIDING:  # a row past q_len may see no key at all: not stored, but keep it finite
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
@@ -233,11 +239,12 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D], q's dtype or fp8 (then with k_scale,
     v_scale: [1] fp32); block_tables: [B, max_num_blocks] int32; query_start_loc: [B + 1]
-    int32; seq_lens: [B] int32; sliding_window: the layer's window or None -> [T, Hq, D] in
-    q's dtype.
+    int32; seq_lens: [B] int32; sliding_window: the layer's window or None; softcap: the
+    layer's attention logit soft-cap or None -> [T, Hq, D] in q's dtype.
 
     max_query_len must be at least the longest q_len (it sizes the grid; never read back from
     the device). Rows outside every sequence's range are zero, as in the reference; pass `out`
@@ -258,6 +265,7 @@ def prefill_attention(
         out = torch.zeros_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
     assert sliding_window is None or sliding_window >= 1, f"sliding window {sliding_window}"
+    assert softcap is None or softcap > 0, f"softcap {softcap}"
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
 
@@ -282,6 +290,7 @@ def prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
         SLIDING=sliding_window is not None,
+        SOFTCAP=float(softcap or 0.0),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -25,6 +25,7 @@ import torch
 
 from tests.correctness.hf_reference import hf_greedy
 from vllm_cluster.engine import LLM, ModelLoadError, SamplingParams
+from vllm_cluster.engine.layers.attention import Attention
 from vllm_cluster.engine.loader import build_model
 from vllm_cluster.engine.models import ModelArchConfig
 
@@ -110,10 +111,10 @@ def test_greedy_tokens_and_logprobs_match_hf(checkpoint: tuple[Path, Any, str]) 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
-@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
 def test_on_gpu_greedy_tokens_and_logprobs_match_hf(checkpoint: tuple[Path, Any, str], enforce_eager: bool) -> None:
-    """Gemma 3 on CUDA in fp32: Triton kernels (the windowed attention, Gemma's norm, GeGLU),
-    and decode steps from CUDA graphs. (Gemma 2's attention soft-capping is CPU only.)"""
+    """Gemma 2 and Gemma 3 on CUDA in fp32: Triton kernels (the windowed attention, Gemma 2's
+    soft-capped attention in prefill and decode, Gemma's norm, GeGLU), and decode steps from
+    CUDA graphs."""
     path, hf_model, _ = checkpoint
     _assert_matches_hf(_llm(path, device="cuda", enforce_eager=enforce_eager), hf_model)
 
@@ -173,10 +174,16 @@ def test_unimplemented_config_values_are_refused_by_name(
             hf_overrides={"architectures": [architecture], **override})
 
 
-def test_gemma2_attention_softcapping_is_refused_on_cuda() -> None:
-    d = {**CONFIGS["gemma2"]().to_dict(), "architectures": ["Gemma2ForCausalLM"]}
-    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
-        build_model(ModelArchConfig.from_hf_dict(d), torch.float32, torch.device("cuda"))
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_attention_softcap_reaches_every_layer(family: str) -> None:
+    """Gemma 2's attn_logit_softcapping is each attention layer's softcap (what the kernels
+    cap with, on CUDA as on CPU); Gemma 3 reads the key but never applies it, as HF."""
+    architecture = "Gemma2ForCausalLM" if family == "gemma2" else "Gemma3ForCausalLM"
+    d = {**CONFIGS[family](attn_logit_softcapping=2.0).to_dict(), "architectures": [architecture]}
+    model = build_model(ModelArchConfig.from_hf_dict(d), torch.float32, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert len(layers) == _TINY["num_hidden_layers"]
+    assert [m.softcap for m in layers] == [2.0 if family == "gemma2" else None] * len(layers)
 
 
 @pytest.mark.parametrize(
