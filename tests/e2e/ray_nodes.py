@@ -51,9 +51,12 @@ class RayNodes:
 
     @property
     def env(self) -> dict[str, str]:
-        """What a process joining these nodes needs: Ray's token authentication."""
+        """What a process joining these nodes needs: Ray's token authentication, and Ray's
+        multi-node switch on (a test that started a local Ray in this process earlier left it
+        off in os.environ: cluster/ray_head.py keeps a local Ray on one node that way)."""
         return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0",
-                "RAY_agent_register_timeout_ms": "300000", "RAY_raylet_start_wait_time_s": "300"}
+                "RAY_agent_register_timeout_ms": "300000", "RAY_raylet_start_wait_time_s": "300",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
     def start(self) -> RayNodes:
         self.nodes = {name: Node(name, ip, self.num_cpus_per_node)
