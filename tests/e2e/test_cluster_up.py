@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.e2e.up import ENGINE_YAML
 from tests.e2e.up import cli as _cli
 from tests.listening import is_loopback, listening_addresses
 from vllm_cluster.client import Client, ClientError
@@ -26,19 +27,7 @@ from vllm_cluster.cluster.state import ClusterState
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """\
-engine:
-  model:
-    model: smollm2-135m-instruct
-    dtype: float32
-  cache:
-    num_blocks: 128
-  scheduler:
-    max_num_seqs: 4
-    max_num_batched_tokens: 128
-    max_model_len: 1024
-  device: cpu
-  num_threads: 1
+CONFIG = ENGINE_YAML + """\
 cluster:
   name: e2e-up-{pid}
   num_prefill: 1

@@ -13,25 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.up import ENGINE_YAML
 from vllm_cluster.client import Client
 from vllm_cluster.cluster.state import ClusterState
 from vllm_cluster.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """\
-engine:
-  model:
-    model: smollm2-135m-instruct
-    dtype: float32
-  cache:
-    num_blocks: 128
-  scheduler:
-    max_num_seqs: 4
-    max_num_batched_tokens: 128
-    max_model_len: 1024
-  device: cpu
-  num_threads: 1
+CONFIG = ENGINE_YAML + """\
 cluster:
   name: e2e-hetero-{pid}
   num_prefill: 1

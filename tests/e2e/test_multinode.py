@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import pytest
 
 from tests.e2e.ray_nodes import RayNodes
-from tests.e2e.up import cli
+from tests.e2e.up import ENGINE_YAML, cli
 from tests.listening import listening_addresses
 from vllm_cluster.client import Client, ClientError
 from vllm_cluster.cluster.state import ClusterState
@@ -30,19 +30,7 @@ T = TypeVar("T")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    " * 4]
 MAX_TOKENS = 8
 
-CONFIG = """\
-engine:
-  model:
-    model: smollm2-135m-instruct
-    dtype: float32
-  cache:
-    num_blocks: 128
-  scheduler:
-    max_num_seqs: 4
-    max_num_batched_tokens: 128
-    max_model_len: 1024
-  device: cpu
-  num_threads: 1
+CONFIG = ENGINE_YAML + """\
 cluster:
   name: e2e-multinode-{transport}-{pid}
   ray_address: {address}
@@ -133,19 +121,7 @@ def test_prefill_on_one_node_decode_on_the_other(
         assert down.returncode == 0, down.stdout + down.stderr
 
 
-NODE_LOSS_CONFIG = """\
-engine:
-  model:
-    model: smollm2-135m-instruct
-    dtype: float32
-  cache:
-    num_blocks: 128
-  scheduler:
-    max_num_seqs: 4
-    max_num_batched_tokens: 128
-    max_model_len: 1024
-  device: cpu
-  num_threads: 1
+NODE_LOSS_CONFIG = ENGINE_YAML + """\
 cluster:
   name: e2e-node-loss-{pid}
   ray_address: {address}
