@@ -43,7 +43,14 @@ from vllm_cluster.kv_transfer.base import (
     handshake_message,
     parse_endpoint,
 )
-from vllm_cluster.kv_transfer.cuda_ipc_wire import FRAME, dst_runs, export_tensor, import_tensor, read_frame
+from vllm_cluster.kv_transfer.cuda_ipc_wire import (
+    FRAME,
+    block_runs,
+    export_tensor,
+    import_tensor,
+    landed_headers,
+    read_frame,
+)
 from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
 from vllm_cluster.proto import kv_transfer_pb2 as kvpb
 
@@ -246,7 +253,8 @@ class CudaIpcSender:
         self._lock = threading.Lock()
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # the latest cancels only
         self._stream = torch.cuda.Stream(kv_caches[0].device)
-        self._indices: tuple[str, list[int], list[int], torch.Tensor, torch.Tensor] | None = None
+        # The push in progress: (transfer id, src ids, dst ids, their device tensors, runs of dst ids)
+        self._plan: tuple[str, list[int], list[int], torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
         self._landed: queue.Queue[
             tuple[_Peer, str, list[kvpb.KVChunkHeader], torch.cuda.Event] | None
         ] = queue.Queue()
@@ -280,9 +288,9 @@ class CudaIpcSender:
                 if chunks and chunks[0].ready is not None:
                     self._stream.wait_event(chunks[0].ready)
                 if len(chunks) > _MAX_RUN_COPIES and whole:
-                    src, dst = self._index_tensors(transfer_id, src_block_ids, dst_block_ids)
+                    _, _, _, src, dst, runs = self._push_plan(transfer_id, src_block_ids, dst_block_ids)
                     peer.remote[layer].index_copy_(0, dst, self._kv_caches[layer].index_select(0, src))
-                    headers = dst_runs(headers[0], dst_block_ids)
+                    headers = landed_headers(headers[0], runs)
                 else:
                     for chunk in chunks:
                         h = chunk.header
@@ -293,18 +301,19 @@ class CudaIpcSender:
                 done.record(self._stream)
         self._landed.put((peer, transfer_id, headers, done))
 
-    def _index_tensors(
+    def _push_plan(
         self, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The push's block ids on the device, made once for all its layers (on the copy stream)."""
-        cached = self._indices
-        if cached is None or cached[:3] != (transfer_id, src_block_ids, dst_block_ids):
+    ) -> tuple[str, list[int], list[int], torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """The push's block ids on the device and its runs of destination blocks, made once for
+        all its layers (the tensors on the copy stream)."""
+        plan = self._plan
+        if plan is None or plan[:3] != (transfer_id, src_block_ids, dst_block_ids):
             device = self._kv_caches[0].device
-            cached = (transfer_id, list(src_block_ids), list(dst_block_ids),
-                      torch.tensor(src_block_ids, dtype=torch.long, device=device),
-                      torch.tensor(dst_block_ids, dtype=torch.long, device=device))
-            self._indices = cached
-        return cached[3], cached[4]
+            plan = (transfer_id, list(src_block_ids), list(dst_block_ids),
+                    torch.tensor(src_block_ids, dtype=torch.long, device=device),
+                    torch.tensor(dst_block_ids, dtype=torch.long, device=device), block_runs(dst_block_ids))
+            self._plan = plan
+        return plan
 
     def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
         return self._table.wait(transfer_id, timeout_s)

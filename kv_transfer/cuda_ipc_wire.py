@@ -28,17 +28,19 @@ def read_frame(reader: BinaryIO) -> tuple[int, bytes]:
     return kind, payload
 
 
-def dst_runs(header: kvpb.KVChunkHeader, dst_block_ids: Sequence[int]) -> list[kvpb.KVChunkHeader]:
-    """Landed notices for these destination blocks: one per run of consecutive ids, in the
-    fields of `header` (a chunk header of the same transfer and layer)."""
-    block_bytes = header.num_bytes // header.num_blocks
-    ids = sorted(dst_block_ids)
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first id, count) of each run of consecutive ids, in ascending order."""
+    ids = sorted(block_ids)
     starts = [0, *(i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1)]
-    runs = []
-    for start, end in zip(starts, [*starts[1:], len(ids)], strict=True):
-        runs.append(kvpb.KVChunkHeader(transfer_id=header.transfer_id, layer=header.layer, dst_block_start=ids[start],
-                                       num_blocks=end - start, num_bytes=(end - start) * block_bytes))
-    return runs
+    return [(ids[a], b - a) for a, b in zip(starts, [*starts[1:], len(ids)], strict=True)]
+
+
+def landed_headers(header: kvpb.KVChunkHeader, runs: Sequence[tuple[int, int]]) -> list[kvpb.KVChunkHeader]:
+    """Landed notices for these runs of destination blocks, in the fields of `header` (a chunk
+    header of the same transfer and layer)."""
+    block_bytes = header.num_bytes // header.num_blocks
+    return [kvpb.KVChunkHeader(transfer_id=header.transfer_id, layer=header.layer, dst_block_start=start,
+                               num_blocks=count, num_bytes=count * block_bytes) for start, count in runs]
 
 
 def export_tensor(tensor: torch.Tensor) -> kvpb.CudaIpcTensor:
