@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(args, "vllm_cluster.DecodeWorker",
               lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
-              {"kv_endpoint": receiver.endpoint}, loop, InstanceMetrics(loop, args.name))
+              {"kv_endpoint": receiver.endpoint}, loop, InstanceMetrics(loop, args.name),
+              on_drain=servicer.subscribers.drain)
     finally:
         loop.stop()
         receiver.close()

@@ -8,13 +8,14 @@ Lifecycle of a request here:
      RESOURCE_EXHAUSTED, and the router tries another instance (also when the instance has
      as many streams open as its server allows, so its Stats and health calls always run).
   2. Prefill pushes the KV straight into those blocks.
-  3. `Decode` (server-streaming): with a first token, wait until every expected block has
-     landed; then the request joins the running batch with that token. Without one (prefill
-     skipped or failed), or when the KV does not arrive in time under policy `recompute`,
-     decode computes the prompt itself. Tokens stream out until a finish reason; those
-     that piled up while the stream was sending travel as one message.
-  4. `Release`, a lease that runs out, or the Decode caller going away aborts the request;
-     the receiver stops writing into its blocks before they are freed.
+  3. `Decode`: with a first token, wait until every expected block has landed; then the
+     request joins the running batch with that token. Without one (prefill skipped or
+     failed), or when the KV does not arrive in time under policy `recompute`, decode
+     computes the prompt itself. Decode answers once the request has joined; its tokens
+     travel on the caller's `Outputs` stream (decode_service/outputs.py), which carries each
+     engine step's tokens of all the caller's requests as one message.
+  4. `Release`, a lease that runs out, or the caller's Outputs stream ending aborts the
+     request; the receiver stops writing into its blocks before they are freed.
 Invariant: a block is freed only after the receiver guarantees nothing more lands in it.
 """
 
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from vllm_cluster.decode_service.outputs import Subscribers
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop, RequestStream
 from vllm_cluster.engine.errors import InvalidRequestError
@@ -35,7 +37,6 @@ from vllm_cluster.kv_transfer import KVLayout, KVReceiver, TransferStatus
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.worker.convert import (
-    delta_to_proto,
     request_from_proto,
     sampled_token_from_proto,
     worker_stats_to_proto,
@@ -63,8 +64,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self._lock = threading.Lock()
         # Reserved, Decode not yet called: the stream, and whether logprobs were asked for.
         self._streams: dict[str, tuple[RequestStream, bool]] = {}
-        # One per reservation, from Reserve until its Decode stream ends (or it goes unused).
+        # One per reservation, from Reserve until its last token is sent (or it goes unused).
         self.slots = StreamSlots()
+        self.subscribers = Subscribers(self.slots.release, self._loop.abort)
 
     def before_abort(self, request_id: str) -> None:
         """Runs on the engine thread before a request's blocks are freed."""
@@ -115,7 +117,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             lease_s=lease_s,
         )
 
-    def Decode(self, msg: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    def Outputs(self, msg: pb.OutputsRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeOutputs]:
+        if not msg.subscriber_id:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "OutputsRequest.subscriber_id is empty: name the stream")
+        yield from self.subscribers.serve(msg.subscriber_id, context.is_active)
+
+    def Decode(self, msg: pb.DecodeRequest, context: grpc.ServicerContext) -> pb.DecodeStarted:
         request_id = msg.request_id
         with self._lock:
             reserved = self._streams.pop(request_id, None)
@@ -124,18 +131,35 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"no reservation for request {request_id!r}: it expired, was released, or was never made",
             )
+        stream, with_logprobs = reserved
+        attached = False  # until then, this call holds the request's stream slot
         try:
-            yield from self._decode(msg, context, *reserved)
+            subscriber = self.subscribers.get(msg.subscriber_id)
+            if subscriber is None:
+                self._loop.abort(request_id)
+                abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                      f"no Outputs stream {msg.subscriber_id!r} is open here: open it before Decode")
+            first_token, timings = self._wait_for_kv(msg, context, with_logprobs)
+            attached = subscriber.attach(request_id, timings)
+            if not attached:
+                self._loop.abort(request_id)
+                abort(context, grpc.StatusCode.CANCELLED, f"the Outputs stream {msg.subscriber_id!r} has ended")
         finally:
-            self.slots.release()
+            if not attached:
+                self.slots.release()
+        self._loop.attach(stream, subscriber)
+        if not self._loop.land(request_id, first_token):
+            abort(context, grpc.StatusCode.NOT_FOUND, f"request {request_id!r} was aborted before decoding started")
+        return pb.DecodeStarted()
 
-    def _decode(
-        self, msg: pb.DecodeRequest, context: grpc.ServicerContext, stream: RequestStream, with_logprobs: bool
-    ) -> Iterator[pb.GenerateResponse]:
+    def _wait_for_kv(
+        self, msg: pb.DecodeRequest, context: grpc.ServicerContext, with_logprobs: bool
+    ) -> tuple[SampledToken | None, pb.Timings]:
+        """The first token to start from (None: decode computes the prompt) once the KV has
+        landed or been given up on, and the timings the request's first message carries."""
         request_id = msg.request_id
         timeout_s = msg.transfer_timeout_s or self._default_transfer_timeout_s
         self._loop.call(lambda core: core.extend_lease(request_id, timeout_s + self._default_lease_s))
-        context.add_callback(lambda: self._loop.abort(request_id))  # no-op once finished
         start = time.monotonic()
         first_token: SampledToken | None = None
         recomputed = False
@@ -150,24 +174,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             else:
                 logger.warning("KV of %s did not arrive (%s); computing the prompt here", request_id, status.name)
                 recomputed = True
-        else:
-            recomputed = False  # no prefill was asked to run: computing here is the plan
         self._receiver.cancel(request_id)  # landed or given up: nothing more may arrive
-        transfer_s = time.monotonic() - start
-        if not self._loop.land(request_id, first_token):
-            abort(context, grpc.StatusCode.NOT_FOUND, f"request {request_id!r} was aborted before decoding started")
-        landed = time.monotonic()
-        first = True
-        for delta in stream.coalesced():
-            response = delta_to_proto(request_id, delta)
-            if first:
-                response.timings.transfer_s = transfer_s
-                response.timings.decode_queue_s = time.monotonic() - landed
-                response.timings.recomputed = recomputed
-                first = False
-            if delta.finish_reason == "abort" and delta.error:
-                abort(context, grpc.StatusCode.ABORTED, delta.error)
-            yield response
+        return first_token, pb.Timings(transfer_s=time.monotonic() - start, recomputed=recomputed)
 
     def Release(self, msg: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(found=self._loop.abort(msg.request_id))

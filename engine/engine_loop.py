@@ -11,6 +11,9 @@ Lifecycle of a request in the loop:
      be the start of a stop string is held back until it is known not to be one.
   3. The last delta of a stream has `finish_reason` set ("stop", "length", "abort"). An
      abort from any thread (`abort`) ends the stream with "abort" and frees its blocks.
+     A stream `attach`ed to a DeltaSink hands its deltas to the sink instead, one call per
+     step with every attached stream's deltas of that step (a server sends them as one
+     message, not one message per request per token).
   4. Decode role: reservations whose lease ran out are aborted by the loop, after the
      `before_abort` hook (the KV receiver's cancel) guarantees nothing more lands in them.
 
@@ -29,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from vllm_cluster.engine.detokenizer import IncrementalDetokenizer
 from vllm_cluster.engine.engine_core import EngineCore, EngineStats
@@ -71,13 +74,22 @@ class StreamDelta:
         )  # fmt: skip
 
 
+class DeltaSink(Protocol):
+    """Where attached streams' deltas go: called on the engine thread, once per step with
+    that step's (request id, delta) pairs in order; must not block."""
+
+    def put_deltas(self, deltas: list[tuple[str, StreamDelta]]) -> None: ...
+
+
 class RequestStream:
-    """Deltas of one request, in order; iterate it from one consumer thread."""
+    """Deltas of one request, in order; iterate it from one consumer thread, or attach it to a
+    DeltaSink (EngineLoop.attach)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: queue.Queue[StreamDelta] = queue.Queue()
         self.finished = False
+        self.sink: DeltaSink | None = None  # set on the engine thread only
 
     def put(self, delta: StreamDelta) -> None:
         self._queue.put(delta)
@@ -85,6 +97,9 @@ class RequestStream:
     def get(self, timeout_s: float | None = None) -> StreamDelta:
         """The next delta; raises queue.Empty after `timeout_s`."""
         return self._queue.get(timeout=timeout_s)
+
+    def get_nowait(self) -> StreamDelta:
+        return self._queue.get_nowait()
 
     def __iter__(self) -> Iterator[StreamDelta]:
         while True:
@@ -207,6 +222,22 @@ class EngineLoop:
 
         return self.call(land)
 
+    def attach(self, stream: RequestStream, sink: DeltaSink) -> None:
+        """From now on `stream`'s deltas go to `sink`, those it holds already first."""
+
+        def attach(core: EngineCore) -> None:
+            pending: list[tuple[str, StreamDelta]] = []
+            while True:
+                try:
+                    pending.append((stream.request_id, stream.get_nowait()))
+                except queue.Empty:
+                    break
+            stream.sink = sink
+            if pending:
+                sink.put_deltas(pending)
+
+        self.call(attach)
+
     def abort(self, request_id: str, error: str | None = None) -> bool:
         """Abort a request wherever it is; ends its stream. False if it was already done."""
         return self.call(lambda core: self._abort(request_id, error))
@@ -234,7 +265,7 @@ class EngineLoop:
         request = self.core.abort(request_id)
         self._stats = self.core.stats()  # before the stream ends: its reader may check stats next
         if tracked is not None:
-            tracked.stream.put(self._delta(tracked, "abort", None, error=error))
+            _deliver([(tracked.stream, self._delta(tracked, "abort", None, error=error))])
         return request is not None
 
     def _run(self) -> None:
@@ -243,9 +274,11 @@ class EngineLoop:
         except BaseException as e:
             logger.exception("the engine loop died; failing every request it holds")
             self._error = e
-            for request_id, tracked in list(self._tracked.items()):
-                del self._tracked[request_id]
-                tracked.stream.put(self._delta(tracked, "abort", None, error=f"the engine loop died: {e!r}"))
+            error = f"the engine loop died: {e!r}"
+            ended = [(tracked.stream, self._delta(tracked, "abort", None, error=error))
+                     for tracked in self._tracked.values()]
+            self._tracked.clear()
+            _deliver(ended)
             self._fail_commands()
 
     def _fail_commands(self) -> None:
@@ -307,8 +340,7 @@ class EngineLoop:
             outgoing.append((tracked.stream, self._delta(tracked, finish_reason, stop_reason)))
         if any(delta.finish_reason is not None for _, delta in outgoing):
             self._stats = self.core.stats()  # before a stream ends: its reader may check stats next
-        for stream, delta in outgoing:
-            stream.put(delta)
+        _deliver(outgoing)
 
     def _delta(
         self,
@@ -349,4 +381,16 @@ class EngineLoop:
         )
 
 
-__all__ = ["EngineLoop", "RequestStream", "StreamDelta"]
+def _deliver(outgoing: list[tuple[RequestStream, StreamDelta]]) -> None:
+    """Each delta to its stream, or, for attached streams, to their sinks: one call per sink."""
+    batches: dict[int, tuple[DeltaSink, list[tuple[str, StreamDelta]]]] = {}
+    for stream, delta in outgoing:
+        if stream.sink is None:
+            stream.put(delta)
+        else:
+            batches.setdefault(id(stream.sink), (stream.sink, []))[1].append((stream.request_id, delta))
+    for sink, deltas in batches.values():
+        sink.put_deltas(deltas)
+
+
+__all__ = ["DeltaSink", "EngineLoop", "RequestStream", "StreamDelta"]

@@ -338,16 +338,42 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., transfer_status: _Optional[_Union[TransferStatus, str]] = ..., transfer_error: _Optional[str] = ..., num_blocks_sent: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "on_transfer_failure", "transfer_timeout_s")
+    __slots__ = ("request_id", "first_token", "on_transfer_failure", "transfer_timeout_s", "subscriber_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ON_TRANSFER_FAILURE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: TokenLogprob
     on_transfer_failure: FailurePolicy
     transfer_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., on_transfer_failure: _Optional[_Union[FailurePolicy, str]] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    subscriber_id: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., on_transfer_failure: _Optional[_Union[FailurePolicy, str]] = ..., transfer_timeout_s: _Optional[float] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+
+class DecodeStarted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OutputsRequest(_message.Message):
+    __slots__ = ("subscriber_id",)
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    subscriber_id: str
+    def __init__(self, subscriber_id: _Optional[str] = ...) -> None: ...
+
+class DecodeOutput(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: GenerateResponse
+    error: str
+    def __init__(self, response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class DecodeOutputs(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[DecodeOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[DecodeOutput, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -284,10 +284,15 @@ class DecodeWorkerStub:
                 request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.Reservation.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
+        self.Decode = channel.unary_unary(
                 '/vllm_cluster.DecodeWorker/Decode',
                 request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.FromString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeStarted.FromString,
+                _registered_method=True)
+        self.Outputs = channel.unary_stream(
+                '/vllm_cluster.DecodeWorker/Outputs',
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeOutputs.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/vllm_cluster.DecodeWorker/Release',
@@ -326,6 +331,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Outputs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -358,10 +369,15 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ReserveRequest.FromString,
                     response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.Reservation.SerializeToString,
             ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
+            'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeRequest.FromString,
-                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.SerializeToString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeStarted.SerializeToString,
+            ),
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.OutputsRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.DecodeOutputs.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -432,12 +448,39 @@ class DecodeWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/vllm_cluster.DecodeWorker/Decode',
             vllm__cluster_dot_proto_dot_cluster__pb2.DecodeRequest.SerializeToString,
-            vllm__cluster_dot_proto_dot_cluster__pb2.GenerateResponse.FromString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.DecodeStarted.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vllm_cluster.DecodeWorker/Outputs',
+            vllm__cluster_dot_proto_dot_cluster__pb2.OutputsRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.DecodeOutputs.FromString,
             options,
             channel_credentials,
             insecure,

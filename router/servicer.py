@@ -42,24 +42,18 @@ from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.abort_rights import AbortRights
 from vllm_cluster.router.calls import abort, end_aborted
+from vllm_cluster.router.decode_leg import DecodeLeg
 from vllm_cluster.router.handoff import Handoff, HandoffState
 from vllm_cluster.router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
 from vllm_cluster.router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
 from vllm_cluster.router.placement import Placement
 from vllm_cluster.router.policy import should_skip_prefill
 from vllm_cluster.router.prompts import prepare
-from vllm_cluster.router.registry import Instance, Registry
+from vllm_cluster.router.registry import Registry
 from vllm_cluster.worker.router_config import RouterConfig
 from vllm_cluster.worker.rpc import StreamSlots
 
 logger = logging.getLogger(__name__)
-
-
-# A decode stream that breaks with these is replayed on another instance (max_migrations):
-# the instance died or restarted (UNAVAILABLE), its engine step failed (ABORTED), or the
-# reservation was gone when Decode came (NOT_FOUND: its lease ran out under load).
-_MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
-               grpc.StatusCode.INTERNAL, grpc.StatusCode.NOT_FOUND)
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
@@ -87,6 +81,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._abort_rights = AbortRights()
         self._lock = threading.Lock()
         self.streams = StreamSlots()
+        self._decode_leg = DecodeLeg(config, registry)
 
     # ---- client API
 
@@ -210,16 +205,17 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     progress.prompt_logprobs = list(prefilled.prompt_logprobs)
                 if not handoff.advance(HandoffState.DECODING):
                     end_aborted(context, handoff)
-                call = decode.stub.Decode(
-                    pb.DecodeRequest(
-                        request_id=request.request_id,
-                        first_token=None if prefilled is None else prefilled.first_token,
-                        on_transfer_failure=_failure_policy(self._config.on_transfer_failure),
-                        transfer_timeout_s=self._config.transfer_timeout_s,
-                    )
-                )
-            handoff.on_abort(call.cancel)
-            yield from self._relay(handoff, decode, call, timings, arrival, context, progress)
+                outputs = self._decode_leg.open_outputs(decode, request.request_id)
+                handoff.on_abort(outputs.cancel)
+                try:
+                    self._decode_leg.start(handoff, decode, request, prefilled, context)
+                except BaseException:
+                    outputs.close()
+                    raise
+            try:
+                yield from self._decode_leg.relay(handoff, decode, outputs, timings, arrival, context, progress)
+            finally:
+                outputs.close()
         finally:
             self._registry.release(decode)
             self._placement.room_freed()  # queued requests try again
@@ -301,52 +297,6 @@ class RouterServicer(pb_grpc.GenerationServicer):
         timings.recomputed = True
         return None
 
-    def _relay(
-        self, handoff: Handoff, decode: Instance, call: Any, timings: pb.Timings, arrival: float,
-        context: grpc.ServicerContext, progress: Progress,
-    ) -> Iterator[pb.GenerateResponse]:
-        first = True
-        try:
-            for response in call:
-                if first:
-                    if not progress.token_ids:
-                        timings.ttft_s = time.monotonic() - arrival
-                        timings.decode_queue_s = response.timings.decode_queue_s
-                    timings.transfer_s += response.timings.transfer_s
-                    timings.recomputed = timings.recomputed or response.timings.recomputed
-                    if not progress.token_ids and not response.prompt_logprobs:  # computed by prefill
-                        response.prompt_logprobs.extend(progress.prompt_logprobs)
-                    first = False
-                if progress.pending_text:
-                    response.text = progress.pending_text + response.text
-                    progress.pending_text = ""
-                progress.token_ids += response.token_ids
-                progress.text += response.text
-                if response.finish_reason:
-                    # Cached where the prompt was computed: on decode, or on prefill.
-                    cached = max(response.usage.cached_tokens, timings.prefill_cached_tokens)
-                    response.usage.cached_tokens = min(cached, len(progress.prompt))
-                    response.usage.prompt_tokens = len(progress.prompt)
-                    response.usage.completion_tokens = len(progress.token_ids)
-                    timings.migrations = progress.migrations
-                    timings.total_s = time.monotonic() - arrival
-                    response.timings.CopyFrom(timings)
-                    handoff.advance(HandoffState.FINISHED)
-                else:
-                    response.ClearField("timings")
-                yield response
-        except grpc.RpcError as e:
-            if handoff.state == HandoffState.ABORTED:
-                end_aborted(context, handoff)
-            if e.code() in _MIGRATABLE:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._registry.mark_unhealthy(decode)
-                raise DecodeLost(f"{decode.name}: {e.code().name} {e.details()}") from e
-            handoff.abort(f"decode failed: {e.details()}")
-            if e.code() == grpc.StatusCode.DATA_LOSS:  # KV hand-off failed, policy `fail`
-                abort(context, grpc.StatusCode.UNAVAILABLE, f"the KV hand-off failed: {e.details()}")
-            abort(context, e.code(), f"decode failed: {e.details()}")
-
     # ---- helpers
 
     def _worker_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.WorkerRequest:
@@ -375,7 +325,3 @@ def _status_name(context: grpc.ServicerContext) -> str:
     """The status an aborted call ends with (abort() sets it); UNKNOWN for an unexpected error."""
     code = context.code()
     return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-
-
-def _failure_policy(name: str) -> pb.FailurePolicy:
-    return pb.FAILURE_POLICY_FAIL if name == "fail" else pb.FAILURE_POLICY_RECOMPUTE

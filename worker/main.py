@@ -93,10 +93,11 @@ def serve(
     ready_info: dict[str, Any],
     loop: EngineLoop,
     metrics: InstanceMetrics,
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: health NOT_SERVING, new calls refused, calls
-    in flight given --drain-grace-s to finish; then the engine stops and the process exits.
-    `metrics` is served over HTTP on args.host:args.metrics_port meanwhile."""
+    """Serve until SIGTERM/SIGINT, then drain: health NOT_SERVING, `on_drain()`, new calls
+    refused, calls in flight given --drain-grace-s to finish; then the engine stops and the
+    process exits. `metrics` is served over HTTP on args.host:args.metrics_port meanwhile."""
     server, port, health = make_server(f"{args.host}:{args.port}", [service_name], cluster_token() or None)
     reporter = HealthReporter(health, [service_name], loop.problem)
     add_servicer(server)
@@ -105,7 +106,13 @@ def serve(
     metrics_port = metrics.serve(args.host, args.metrics_port)
     logging.getLogger(__name__).info("%s serving on %s:%d (metrics on port %d)",
                                      service_name, args.host, port, metrics_port)
-    announce_and_wait(server, port, args.ready_file, args.drain_grace_s, reporter.drain,
+
+    def drain() -> None:
+        reporter.drain()
+        if on_drain is not None:
+            on_drain()
+
+    announce_and_wait(server, port, args.ready_file, args.drain_grace_s, drain,
                       metrics_port=metrics_port, **ready_info)
     reporter.close()
     loop.stop()

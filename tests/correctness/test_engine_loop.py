@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from vllm_cluster.engine import LLM, SamplingParams
-from vllm_cluster.engine.engine_loop import EngineLoop
+from vllm_cluster.engine.engine_loop import EngineLoop, StreamDelta
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +49,41 @@ def test_a_stream_interval_sends_tokens_in_groups_that_add_up_the_same(smollm2: 
     assert "".join(d.text for d in deltas) == expected.text
     assert [lp.token_id for d in deltas for lp in d.logprobs] == expected.token_ids
     assert deltas[-1].finish_reason == "length"
+
+
+class _Recorder:
+    """A DeltaSink that keeps every call it gets."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.calls: list[list[tuple[str, StreamDelta]]] = []
+        self._num_open = num_requests
+        self.done = threading.Event()
+
+    def put_deltas(self, deltas: list[tuple[str, StreamDelta]]) -> None:
+        self.calls.append(list(deltas))
+        self._num_open -= sum(delta.finish_reason is not None for _, delta in deltas)
+        if self._num_open == 0:
+            self.done.set()
+
+
+def test_attached_streams_reach_their_sink_together_once_per_step(loop: EngineLoop, smollm2: LLM) -> None:
+    tok = smollm2.get_tokenizer()
+    prompts = ["The capital of France is", "Roses are red,", "def quicksort(arr):"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = smollm2.generate(prompts, params, use_tqdm=False)
+    sink = _Recorder(len(prompts))
+    for i, prompt in enumerate(prompts):  # deltas made before the attach come first
+        loop.attach(loop.add(loop.core.make_request(f"sink{i}", tok.encode(prompt), params)), sink)
+    assert sink.done.wait(60)
+    for call in sink.calls:  # a step gives a request one delta at most
+        assert len({request_id for request_id, _ in call}) == len(call)
+    for i, exp in enumerate(expected):
+        deltas = [d for call in sink.calls for rid, d in call if rid == f"sink{i}"]
+        assert [t for d in deltas for t in d.token_ids] == exp.outputs[0].token_ids
+        assert "".join(d.text for d in deltas) == exp.outputs[0].text
+        assert deltas[-1].finish_reason == "length"
+    # Requests decoding in the same steps share a call: far fewer calls than deltas.
+    assert len(sink.calls) < sum(len(call) for call in sink.calls) * 2 / 3
 
 
 def test_stop_string_is_never_streamed(loop: EngineLoop, smollm2: LLM) -> None:

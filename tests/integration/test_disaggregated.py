@@ -182,8 +182,37 @@ def test_lease_expiry_frees_blocks(cluster: LocalCluster) -> None:
     assert len(reservation.block_ids) == -(-199 // 16)
     _assert_blocks_return(cluster)
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Decode(pb.DecodeRequest(request_id="lease"), timeout=10))
+        _decode_directly(stub, pb.DecodeRequest(request_id="lease"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _decode_directly(stub: pb_grpc.DecodeWorkerStub, msg: pb.DecodeRequest) -> list[pb.GenerateResponse]:
+    """What the router does: open an Outputs stream, Decode on it, read the request's outputs
+    up to its finish."""
+    msg.subscriber_id = f"test-{msg.request_id}"
+    outputs = stub.Outputs(pb.OutputsRequest(subscriber_id=msg.subscriber_id), timeout=60)
+    try:
+        assert not next(outputs).outputs  # the stream is open
+        stub.Decode(msg, timeout=60)
+        pieces: list[pb.GenerateResponse] = []
+        for message in outputs:
+            assert [o.response.request_id for o in message.outputs] == [msg.request_id] * len(message.outputs)
+            pieces += [o.response for o in message.outputs]
+            if pieces[-1].finish_reason:
+                return pieces
+        raise AssertionError("the Outputs stream ended before the request finished")
+    finally:
+        outputs.cancel()
+
+
+def test_decode_without_an_outputs_stream_is_refused(cluster: LocalCluster) -> None:
+    stub = pb_grpc.DecodeWorkerStub(make_channel(cluster.decode_addresses[0], cluster.token))
+    request = pb.WorkerRequest(request_id="no-stream", prompt_token_ids=list(range(1, 40)))
+    stub.Reserve(pb.ReserveRequest(request=request), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Decode(pb.DecodeRequest(request_id="no-stream", subscriber_id="nobody"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "Outputs" in (info.value.details() or "")
+    _assert_blocks_return(cluster)
 
 
 def test_worker_rejects_calls_without_the_cluster_token(cluster: LocalCluster) -> None:
@@ -205,7 +234,7 @@ def test_layout_mismatch_is_named_and_decode_recomputes(cluster: LocalCluster, c
     assert reply.transfer_status == pb.TRANSFER_FAILED
     assert "block_size" in reply.transfer_error and "16" in reply.transfer_error and "32" in reply.transfer_error
     # Decode was told nothing arrived: it computes the prompt itself, same tokens.
-    pieces = list(decode.Decode(pb.DecodeRequest(request_id="mismatch"), timeout=60))
+    pieces = _decode_directly(decode, pb.DecodeRequest(request_id="mismatch"))
     tokens = [t for p in pieces for t in p.token_ids]
     assert tokens == _colocated(smollm2, ["The largest planet in the solar system is"], 6)[0]
     _assert_blocks_return(cluster)
@@ -221,8 +250,8 @@ def test_kv_that_never_lands_is_recomputed(cluster: LocalCluster, smollm2: LLM) 
     )
     decode.Reserve(pb.ReserveRequest(request=request), timeout=10)
     # Prefill "reported" a first token, but no KV ever arrives.
-    pieces = list(decode.Decode(pb.DecodeRequest(
-        request_id="never-lands", first_token=pb.TokenLogprob(token_id=5), transfer_timeout_s=0.5), timeout=60))
+    pieces = _decode_directly(decode, pb.DecodeRequest(
+        request_id="never-lands", first_token=pb.TokenLogprob(token_id=5), transfer_timeout_s=0.5))
     assert pieces[0].timings.recomputed
     assert [t for p in pieces for t in p.token_ids] == _colocated(smollm2, [text], 6)[0]
     _assert_blocks_return(cluster)
