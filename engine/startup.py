@@ -25,6 +25,7 @@ from vllm_cluster.engine.models import CausalLM, ModelArchConfig
 from vllm_cluster.engine.models.kv_scales import warn_once_if_unscaled
 from vllm_cluster.engine.parallel.executor import ParallelExecutor
 from vllm_cluster.engine.parallel.topology import check_expert_parallel
+from vllm_cluster.engine.quantization.swap import check_quantizable
 from vllm_cluster.engine.resolve import (
     max_model_len,
     resolve_device,
@@ -98,6 +99,8 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
 
 
 def _check_split(config: EngineConfig, source: ModelSource, arch: ModelArchConfig) -> None:
+    if source.quantization is not None:
+        check_quantizable(arch, source.quantization)  # before the weights load
     if source.quantization is not None and config.parallel.world_size > 1:
         raise ConfigError(
             f"the checkpoint is quantized ({source.quantization}), which runs on one process "
