@@ -84,22 +84,27 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return Checkpoint(path, request.param, sequences, logits)
 
 
-def _llm(path: Path, quantization: str | None) -> LLM:
+def _llm(path: Path, quantization: str | None, device: str = "cpu") -> LLM:
     return LLM(
-        str(path), device="cpu", dtype="float32", num_blocks=64, block_size=4, max_model_len=128,
+        str(path), device=device, dtype="float32", num_blocks=64, block_size=4, max_model_len=128,
         quantization=quantization,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
 @pytest.mark.parametrize("method", sorted(MODULE_TYPES))
-def test_quantized_logits_stay_close_to_the_unquantized_model(checkpoint: Checkpoint, method: str) -> None:
+def test_quantized_logits_stay_close_to_the_unquantized_model(checkpoint: Checkpoint, method: str, device: str) -> None:
+    """On CUDA the quantized model runs the Triton and fp8 kernels; the reference is the CPU's."""
     path, family, sequences, ref = checkpoint
-    quantized = _llm(path, method)
+    quantized = _llm(path, method, device)
     for layer in quantized.core.model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             assert isinstance(linear, MODULE_TYPES[method]), f"{family}: {type(linear).__name__}"
-    got = torch.cat(prefill_logits(quantized.core.model, sequences))
+    got = torch.cat(prefill_logits(quantized.core.model, sequences)).cpu()
     agree = ref.argmax(-1) == got.argmax(-1)
     top2 = ref.topk(2, dim=-1).values
     spread = ref.amax(-1) - ref.amin(-1)  # [positions]

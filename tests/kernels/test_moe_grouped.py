@@ -65,3 +65,21 @@ def test_an_expert_parallel_rank_adds_only_its_experts() -> None:
     whole = reference.moe_selected_experts(x, w13, w2, weights, expert_ids)
     torch.testing.assert_close(shares[0] + shares[1], whole, atol=1e-4, rtol=1e-4)
     assert (shares[0] - whole).abs().max() > 1e-2  # each rank's share alone is not the whole
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_graph_replays_it_for_new_routes() -> None:
+    """Captured once, replayed after the inputs and routes change in place: static shapes, no
+    host sync."""
+    x, w13, w2, weights, expert_ids = _inputs(4, torch.float16)
+    moe_selected_experts(x, w13, w2, weights, expert_ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_selected_experts(x, w13, w2, weights, expert_ids)
+    x2, _, _, weights2, ids2 = _inputs(5, torch.float16)
+    x.copy_(x2[:4])
+    weights.copy_(weights2[:4])
+    expert_ids.copy_(ids2[:4])
+    graph.replay()
+    expected = reference.moe_selected_experts(x, w13, w2, weights, expert_ids)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
