@@ -25,6 +25,7 @@ from vllm_cluster.engine.models import CausalLM, ModelArchConfig
 from vllm_cluster.engine.models.kv_scales import warn_once_if_unscaled
 from vllm_cluster.engine.parallel.executor import ParallelExecutor
 from vllm_cluster.engine.parallel.topology import check_expert_parallel
+from vllm_cluster.engine.quantization.swap import check_quantizable
 from vllm_cluster.engine.resolve import (
     max_model_len,
     resolve_device,
@@ -56,23 +57,6 @@ class EngineParts:
     kv_release_window: int | None = None
 
 
-# Families whose config slides only some layers (max_window_layers, layer_types), a
-# pattern the decoder does not build: they run only where the window changes nothing.
-_LAYER_PATTERN_WINDOW_FAMILIES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-
-
-def _check_sliding_window(arch: ModelArchConfig, max_len: int) -> None:
-    """Every layer of Mistral, Mixtral and Phi-3 attends within the window (engine/layers/attention.py);
-    the Qwen families' per-layer windows are refused past the window."""
-    window = arch.sliding_window
-    if window is not None and max_len > window and arch.family in _LAYER_PATTERN_WINDOW_FAMILIES:
-        raise ConfigError(
-            f"{arch.architecture} attends within a sliding window of {window} tokens in some layers "
-            f"(config.json use_sliding_window, max_window_layers), which the engine does not implement "
-            f"for this family: set max_model_len <= {window}, within which the window changes nothing"
-        )
-
-
 def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineParts:
     """`model`: weights already loaded for the same config.model (reused, not copied)."""
     if config.num_threads is not None:
@@ -85,7 +69,6 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
     arch = model.config if model is not None else ModelArchConfig.from_hf_dict(source.hf_config)
     _check_split(config, source, arch)
     max_len = max_model_len(config, arch.max_position_embeddings)
-    _check_sliding_window(arch, max_len)
     if arch.mla is not None and kv_cache_dtype != dtype:
         raise ConfigError(
             f"cache.kv_cache_dtype {config.cache.kv_cache_dtype!r} is not supported for {arch.architecture}: its "
@@ -116,6 +99,8 @@ def start_engine(config: EngineConfig, model: CausalLM | None = None) -> EngineP
 
 
 def _check_split(config: EngineConfig, source: ModelSource, arch: ModelArchConfig) -> None:
+    if source.quantization is not None:
+        check_quantizable(arch, source.quantization)  # before the weights load
     if source.quantization is not None and config.parallel.world_size > 1:
         raise ConfigError(
             f"the checkpoint is quantized ({source.quantization}), which runs on one process "

@@ -67,10 +67,11 @@ class ModelArchConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layer_ids: tuple[int, ...] = ()
-    # The attention window the config turns on (None: none), given to every layer's
-    # Attention; the Qwen families slide only some layers, so startup keeps their
-    # max_model_len within it (engine/startup.py).
+    # The attention window every layer's Attention uses (None: none, or per layer below).
     sliding_window: int | None = None
+    # Qwen2, Qwen3, Qwen2-MoE: each layer's window (None: global), from use_sliding_window,
+    # max_window_layers and layer_types (families.layer_windows); (): sliding_window for all.
+    layer_windows: tuple[int | None, ...] = ()
     # OLMo 2: RMSNorm after attention and after the MLP (before each residual add) instead
     # of before them, and q/k each normalised over the whole projection, not per head.
     post_norms: bool = False
@@ -104,6 +105,10 @@ class ModelArchConfig:
         layers = self.num_hidden_layers if num_layers is None else num_layers
         _, planes, _, heads, width = self.kv_cache_shape(1, 1, num_kv_heads)
         return layers * planes * heads * width * element_size
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The window layer `layer_id` attends within (None: globally); Gemma's are GemmaFacts'."""
+        return self.layer_windows[layer_id] if self.layer_windows else self.sliding_window
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.num_experts > 0 and layer_id not in self.dense_layer_ids
@@ -161,6 +166,7 @@ class ModelArchConfig:
             norm_topk_prob=moe.norm_topk_prob,
             dense_layer_ids=moe.dense_layer_ids,
             sliding_window=families.sliding_window(family, d),
+            layer_windows=families.layer_windows(family, d),
             post_norms=family == "olmo2",
             scales=families.granite_scales(family, d),
             hidden_act=families.hidden_act(family, d),

@@ -18,6 +18,10 @@ from vllm_cluster.engine.models.rope_parameters import read_rope
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QWEN_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
+# The families whose config.json turns sliding windows on with use_sliding_window; all but
+# Qwen3-MoE slide only some layers (layer_windows).
+QWEN_WINDOW_FAMILIES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+QWEN_LAYER_WINDOW_FAMILIES = ("qwen2", "qwen2_moe", "qwen3")
 # The MLP activations engine/layers/mlp.py implements (HF's hidden_act / hidden_activation names).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -92,14 +96,52 @@ def qkv_bias(family: str, d: dict[str, Any]) -> bool:
 
 
 def sliding_window(family: str, d: dict[str, Any]) -> int | None:
-    """The attention window the config turns on (None: full attention). The Qwen families
-    slide only some layers, which startup refuses past the window (engine/startup.py)."""
+    """The attention window every layer uses (None: full attention, or a family whose layers
+    differ: `layer_windows`). Qwen3-MoE, as transformers, slides every layer when
+    use_sliding_window is set."""
     window = d.get("sliding_window")
-    if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not d.get("use_sliding_window", False):
+    if family in QWEN_WINDOW_FAMILIES and not d.get("use_sliding_window", False):
         return None
-    if family in GEMMA_FAMILIES:
-        return None  # some layers only: GemmaFacts.layer_windows
+    if family in GEMMA_FAMILIES or family in QWEN_LAYER_WINDOW_FAMILIES:
+        return None  # some layers only: layer_windows, GemmaFacts.layer_windows
     return int(window) if window else None
+
+
+def layer_windows(family: str, d: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window for Qwen2, Qwen3 and Qwen2-MoE (None: that layer attends globally),
+    as transformers builds them: config.json's layer_types if it gives them, else, with
+    use_sliding_window, Qwen2 and Qwen3 slide the layers from max_window_layers on and
+    Qwen2-MoE the even-numbered layers below max_window_layers. () for other families."""
+    if family not in QWEN_LAYER_WINDOW_FAMILIES:
+        return ()
+    num_layers = d["num_hidden_layers"]
+    use = bool(d.get("use_sliding_window", False))
+    window = d.get("sliding_window") if use else None
+    max_window_layers = d.get("max_window_layers", 28)
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        if family == "qwen2_moe":
+            sliding = [use and i % 2 == 0 and i < max_window_layers for i in range(num_layers)]
+        else:
+            sliding = [window is not None and i >= max_window_layers for i in range(num_layers)]
+        return tuple(int(window) if window and s else None for s in sliding)
+    _check_layer_types(layer_types, num_layers)
+    if "sliding_attention" in layer_types and not window:
+        raise ModelLoadError(
+            f"layer_types names sliding_attention layers but {family}'s window is off (use_sliding_window "
+            f"{use}, sliding_window {d.get('sliding_window')}): set use_sliding_window true and a sliding_window "
+            "of at least 1, or make every layer full_attention"
+        )
+    return tuple(int(window) if window and t == "sliding_attention" else None for t in layer_types)
+
+
+def _check_layer_types(layer_types: list[str], num_layers: int) -> None:
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != num_layers:
+        raise ModelLoadError(
+            f"layer_types {unknown or layer_types} is not supported: give one of sliding_attention or "
+            f"full_attention for each of the {num_layers} layers"
+        )
 
 
 def refuse_unsupported(family: str, d: dict[str, Any]) -> None:
@@ -141,12 +183,7 @@ def gemma_facts(family: str, d: dict[str, Any]) -> GemmaFacts | None:
     layer_types = d.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
     ]
-    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-    if unknown or len(layer_types) != num_layers:
-        raise ModelLoadError(
-            f"layer_types {unknown or layer_types} is not supported: give one of sliding_attention or "
-            f"full_attention for each of the {num_layers} layers"
-        )
+    _check_layer_types(layer_types, num_layers)
     window = d.get("sliding_window")
     windows = tuple(int(window) if window and t == "sliding_attention" else None for t in layer_types)
     local_theta = None

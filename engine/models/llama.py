@@ -46,7 +46,7 @@ def make_mlp(config: ModelArchConfig, layer_id: int) -> nn.Module:
     )
 
 
-def make_attention(config: ModelArchConfig) -> Attention:
+def make_attention(config: ModelArchConfig, layer_id: int) -> Attention:
     return Attention(
         config.hidden_size,
         config.num_attention_heads,
@@ -56,7 +56,7 @@ def make_attention(config: ModelArchConfig) -> Attention:
         qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
         scale=config.scales.attention_multiplier,
         qk_norm_per_head=not config.post_norms,
-        sliding_window=config.sliding_window,
+        sliding_window=config.layer_window(layer_id),
     )
 
 
@@ -66,14 +66,15 @@ def make_layer(config: ModelArchConfig, layer_id: int) -> nn.Module:
     if config.post_norms:
         mlp = make_mlp(config, layer_id)
         assert isinstance(mlp, MLP), "OLMo 2 is dense"
-        return olmo2.PostNormDecoderLayer(make_attention(config), mlp, config.hidden_size, config.rms_norm_eps)
+        attention = make_attention(config, layer_id)
+        return olmo2.PostNormDecoderLayer(attention, mlp, config.hidden_size, config.rms_norm_eps)
     return DecoderLayer(config, layer_id)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = deepseek.MlaAttention(config) if config.mla is not None else make_attention(config)
+        self.self_attn = deepseek.MlaAttention(config) if config.mla is not None else make_attention(config, layer_id)
         self.mlp = make_mlp(config, layer_id)
         # Granite scales attention's output before the residual add (the MLP's: MLP.down_scale).
         self.residual_multiplier = config.scales.residual_multiplier

@@ -11,20 +11,37 @@ from vllm_cluster.engine.errors import ConfigError, ModelLoadError
 from vllm_cluster.engine.quantization.base import QuantMethod
 
 if TYPE_CHECKING:
-    from vllm_cluster.engine.models import CausalLM
+    from vllm_cluster.engine.models import CausalLM, ModelArchConfig
+
+
+def check_quantizable(config: ModelArchConfig, method_name: str) -> None:
+    """Raise ConfigError naming the layers that `method_name` has no module for in `config`'s
+    model: DeepSeek's multi-head latent attention, and every family's routed MoE experts (stacked
+    per expert, not nn.Linear). What the swap covers: quantize_model."""
+    if config.mla is not None:
+        raise ConfigError(
+            f"model.quantization: {method_name!r} does not support {config.architecture}: its multi-head "
+            "latent attention (q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, absorbed at load) and its "
+            "mixture-of-experts routed experts have no quantized path; unset quantization for this model"
+        )
+    if config.num_experts:
+        raise ConfigError(
+            f"model.quantization: {method_name!r} does not support mixture-of-experts models "
+            f"({config.architecture}): its routed experts (mlp.experts: w13_weight and w2_weight, "
+            f"{config.num_experts} experts stacked per MoE layer) have no quantized path and hold most of "
+            "the weights; unset quantization for this model, or serve a dense model"
+        )
 
 
 def quantize_model(model: CausalLM, method: QuantMethod, convert: bool = True) -> None:
     """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj (and
-    lm_head, where the method quantizes it) with `method`'s module, in place. convert:
+    lm_head, where the method quantizes it) with `method`'s module, in place: the Llama
+    decoder's families, Phi-3's fused projections, OLMo 2's and Gemma 2/3's layers alike
+    (norms, embeddings and Gemma 3's q/k norms stay as they are). convert:
     quantize the loaded weights (online methods); otherwise the modules are left empty for
     the checkpoint's tensors (`load_shard`)."""
     config = model.config
-    if config.num_experts:
-        raise ConfigError(
-            f"model.quantization: {method.name!r} does not support mixture-of-experts models "
-            f"({config.architecture}); unset quantization for this model"
-        )
+    check_quantizable(config, method.name)
     if method.quantizes_lm_head:
         # An online method quantizes a copy and leaves the embedding as it is; a checkpoint's
         # packed lm_head cannot also be the embedding.

@@ -194,7 +194,7 @@ def test_phi3_longrope_is_read_and_changes_outputs(checkpoint: tuple[Path, Any, 
 @pytest.mark.parametrize(
     ("family", "override", "message"),
     [
-        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 64}, "sliding window of 64 tokens"),
+        ("qwen2_moe", {"layer_types": ["chunked_attention"] * 2}, "layer_types"),
         ("phi3", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}}, "partial_rotary_factor 0.75"),
         ("olmo2", {"attention_bias": True}, "attention_bias true"),
         ("granite", {"mlp_bias": True}, "mlp_bias true"),
