@@ -70,6 +70,12 @@ def add_scale_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode instances wanted (default: as now)")
 
 
+def add_autoscale_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("autoscale", help="run the autoscaler (the autoscaler: section) beside a cluster of "
+                       "`up --detach`, until Ctrl-C")
+    add_state_args(p)
+
+
 def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chaos", help="kill a running cluster's processes under load and check it heals (a soak)")
     add_state_args(p)
