@@ -127,13 +127,13 @@ class Registry:
             return list(self._draining.values())
 
     def _add_locked(self, role: EngineRole, address: str, name: str) -> Instance:
-        if not name:
+        """`name` ("" or taken by another instance: the next free `<role>-<n>`)."""
+        if not name or name in self.instances or name in self._draining:
             name = f"{role}-{self._num_added[role]}"
             while name in self.instances or name in self._draining:
                 self._num_added[role] += 1
                 name = f"{role}-{self._num_added[role]}"
-        assert name not in self.instances, f"{name} is routed to already"
-        self._num_added[role] += 1
+            self._num_added[role] += 1
         stub_type = pb_grpc.PrefillWorkerStub if role == EngineRole.PREFILL else pb_grpc.DecodeWorkerStub
         channel = make_channel(address, self._token)
         instance = Instance(name, role, address, channel, stub_type(channel))

@@ -56,6 +56,8 @@ def test_an_added_instance_is_routed_to_from_its_first_healthy_poll(registry: Re
     assert registry.instances["decode-1"].stats.num_waiting == 2
     assert registry.add(EngineRole.DECODE, addresses[1]) == ("decode-1", False)
     assert registry.add(EngineRole.DECODE, addresses[2], "decode-7") == ("decode-7", True)
+    # A name another instance has (a router restarted with its old list): the next free one.
+    assert registry.add(EngineRole.DECODE, "127.0.0.1:2", "decode-0") == ("decode-2", True)
     assert registry.add(EngineRole.PREFILL, "127.0.0.1:1") == ("prefill-0", True)
     assert [i.name for i in registry.of_role(EngineRole.PREFILL)] == ["prefill-0"]
 
@@ -77,6 +79,7 @@ def test_a_removed_instance_drains_then_is_forgotten(registry: Registry, address
     assert registry.remove("127.0.0.1:1") == (False, 0)
     # Added again at the same address (scaled back up): a new instance, a new name.
     assert registry.add(EngineRole.DECODE, addresses[1]) == ("decode-2", True)
+    assert registry.add(EngineRole.DECODE, addresses[2], "decode-1") == ("decode-1", True), "its name is free"
 
 
 def test_adds_and_removes_from_many_threads_keep_the_counts(registry: Registry, addresses: list[str]) -> None:
