@@ -70,7 +70,10 @@ class Autoscaler:
         while not self._stopped.wait(self.config.interval_s):
             try:
                 self.step()
-            except (ScaleError, grpc.RpcError, OSError, ValueError) as e:
+            except grpc.RpcError as e:
+                logger.warning("autoscaler: the router did not answer (%s: %s); trying again in %g s",
+                               e.code().name, e.details(), self.config.interval_s)
+            except (ScaleError, OSError, ValueError) as e:
                 logger.warning("autoscaler: this round failed (%s); trying again in %g s", e, self.config.interval_s)
 
     def step(self) -> None:
