@@ -64,12 +64,17 @@ def scale_main(args: argparse.Namespace) -> int:
               "whose actors end with it: bring it up with `up --detach` to scale it from outside, or turn on "
               "its autoscaler (the autoscaler: section)", file=sys.stderr)
         return 1
-    from vllm_cluster.cluster.ray_head import connect
-
-    connect(state.ray_address, state.ray_namespace, local=state.ray_head is not None)
     scaler = PoolScaler(deployment, state, path, detached=True)
     try:
-        change = scaler.scale(wanted)
+        if wanted == sizes:  # the router is still told the pools; Ray is not needed
+            scaler.sync_router()
+            print(f"cluster {state.name!r}: already {wanted.num_prefill} prefill + {wanted.num_decode} decode; "
+                  "nothing to change")
+            return 0
+        from vllm_cluster.cluster.ray_head import connect
+
+        connect(state.ray_address, state.ray_namespace, local=state.ray_head is not None)
+        scaler.scale(wanted)
     except ScaleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -77,9 +82,6 @@ def scale_main(args: argparse.Namespace) -> int:
         print(f"error: the router at {state.router_address} did not answer: {e.code().name} {e.details()}; "
               "`vllm-cluster status` shows whether it runs", file=sys.stderr)
         return 1
-    if change.empty:
-        print(f"cluster {state.name!r}: already {wanted.num_prefill} prefill + {wanted.num_decode} decode; "
-              "nothing to change")
     return 0
 
 
