@@ -5,6 +5,8 @@
   vllm-cluster status | logs INSTANCE [--tail N] | down # a cluster `up` started (--name, -f)
   vllm-cluster chaos -f configs/local.yaml              # kill its processes under load; check it heals
   vllm-cluster repair -f FILE                           # place again what a lost Ray node took
+  vllm-cluster scale -f FILE --prefill N --decode M     # grow or shrink the pools of a running cluster
+  vllm-cluster autoscale -f FILE                        # the autoscaler beside an `up --detach` cluster
   vllm-cluster worker prefill -f FILE --index 0         # one instance without Ray (containers)
   vllm-cluster serve -f configs/local.yaml              # plain processes here, no Ray
   vllm-cluster serve -f configs/local.yaml --once "Hi"  # ... answer one chat message, then stop
@@ -33,9 +35,11 @@ import yaml
 from vllm_cluster.client import Client, ClientError, Completion
 from vllm_cluster.cluster.cli_args import (
     SAMPLE_CHAT,
+    add_autoscale_parser,
     add_chaos_parser,
     add_down_parser,
     add_repair_parser,
+    add_scale_parser,
     add_status_parsers,
     add_up_parser,
     add_worker_parser,
@@ -98,6 +102,18 @@ def _repair(args: argparse.Namespace) -> int:
     return repair_main(args)
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from vllm_cluster.cluster.scale import scale_main
+
+    return scale_main(args)
+
+
+def _autoscale(args: argparse.Namespace) -> int:
+    from vllm_cluster.cluster.autoscaler import autoscale_main
+
+    return autoscale_main(args)
+
+
 def _chaos(args: argparse.Namespace) -> int:
     from vllm_cluster.cluster.chaos import chaos_main
 
@@ -115,7 +131,8 @@ def _health(args: argparse.Namespace) -> int:
 
 _CLUSTER_COMMANDS = {
     "up": _up, "down": _down, "status": _status, "logs": _logs, "worker": _worker, "health": _health,
-    "chaos": _chaos, "repair": _repair,
+    "chaos": _chaos, "repair": _repair, "scale": _scale,
+    "autoscale": _autoscale,
 }
 
 
@@ -126,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     add_down_parser(sub)
     add_status_parsers(sub)
     add_repair_parser(sub)
+    add_scale_parser(sub)
+    add_autoscale_parser(sub)
     add_chaos_parser(sub)
     add_worker_parser(sub)
     p = sub.add_parser("health", help="exit 0 when a server's gRPC health says SERVING (container healthchecks)")

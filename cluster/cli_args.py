@@ -63,6 +63,19 @@ def add_repair_parser(sub: argparse._SubParsersAction) -> None:
     add_state_args(p)
 
 
+def add_scale_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scale", help="grow or shrink a running cluster's prefill and decode pools")
+    add_state_args(p)
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill instances wanted (default: as now)")
+    p.add_argument("--decode", type=int, default=None, metavar="M", help="decode instances wanted (default: as now)")
+
+
+def add_autoscale_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("autoscale", help="run the autoscaler (the autoscaler: section) beside a cluster of "
+                       "`up --detach`, until Ctrl-C")
+    add_state_args(p)
+
+
 def add_chaos_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chaos", help="kill a running cluster's processes under load and check it heals (a soak)")
     add_state_args(p)

@@ -4,6 +4,7 @@
               pool, and each pool may override the tensor/pipeline split
     cluster:  ClusterConfig below: the pools, their placement, transport, Redis, Ray
     router:   RouterConfig (router/config.py)
+    autoscaler: AutoscalerConfig (cluster/autoscaler_config.py), off by default
 
 `cluster/config_file.py` loads it (file:line on every error, `--set` overrides);
 `cluster/layout.py` checks that the pools fit the devices.
@@ -18,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from vllm_cluster.cluster.autoscaler_config import AutoscalerConfig
 from vllm_cluster.engine.config import EngineConfig, EngineRole, build_section, check_types
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.worker.router_config import RouterConfig
@@ -161,6 +163,7 @@ class Deployment:
     engine: EngineConfig
     cluster: ClusterConfig
     router: RouterConfig
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     # Where each key was set: "engine.cache.block_size" -> "configs/x.yaml:12" (or the
     # `--set` flag that set it).
     lines: dict[str, str] = field(default_factory=dict, repr=False, compare=False)

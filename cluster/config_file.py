@@ -7,8 +7,8 @@
 2. Each override `a.b.c=value` (the CLI's `--set`) replaces that key; its value is read as
    YAML (`9000` is a number, `null` unsets). Its "line" is the flag itself.
 3. Each section is built and validated by its own dataclass: `engine:` EngineConfig,
-   `cluster:` ClusterConfig, `router:` RouterConfig. Validators raise messages that start
-   with the key they refuse ("router.policy: ..."); `locate` finds that key's line.
+   `cluster:` ClusterConfig, `router:` RouterConfig, `autoscaler:` AutoscalerConfig.
+   Validators raise messages that start with the key they refuse ("router.policy: ..."); `locate` finds that key's line.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import Any
 
 import yaml
 
+from vllm_cluster.cluster.autoscaler_config import AutoscalerConfig
 from vllm_cluster.cluster.config import ClusterConfig, Deployment
 from vllm_cluster.engine.config import EngineConfig, build_section, check_types
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.worker.router_config import RouterConfig
 
-SECTIONS = ("engine", "cluster", "router")
+SECTIONS = ("engine", "cluster", "router", "autoscaler")
 _KEY_TOKEN = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 
@@ -113,7 +114,11 @@ def _build(data: dict[str, Any], lines: dict[str, str]) -> Deployment:
         router.validate()
     except ConfigError as e:
         raise _located(str(e), "", lines) from None
-    return Deployment(engine, cluster, router, lines)
+    try:
+        autoscaler = AutoscalerConfig.from_dict(data.get("autoscaler"))
+    except ConfigError as e:
+        raise _located(str(e), "", lines) from None
+    return Deployment(engine, cluster, router, autoscaler=autoscaler, lines=lines)
 
 
 def _located(message: str, section: str, lines: dict[str, str], key: str | None = None) -> ConfigError:

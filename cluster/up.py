@@ -43,6 +43,7 @@ from vllm_cluster.cluster.state import ClusterState, state_path
 from vllm_cluster.engine.errors import ConfigError
 
 if TYPE_CHECKING:
+    from vllm_cluster.cluster.autoscaler import Autoscaler
     from vllm_cluster.cluster.ray_cluster import RayCluster
 from vllm_cluster.worker.rpc import API_KEY_ENV
 
@@ -135,6 +136,7 @@ class _Up:
 
     def _serve(self, cluster: RayCluster, state: ClusterState) -> int:
         """--chat, then return (--detach) or serve until Ctrl-C / SIGTERM and stop it all."""
+        autoscaler: Autoscaler | None = None
         try:
             if self.args.chat is not None:
                 try:
@@ -142,12 +144,16 @@ class _Up:
                 except ClientError as e:
                     print(f"error: the chat request failed: {e}", file=sys.stderr)
             if self.args.detach:
+                if self.deployment.autoscaler.enabled:
+                    print("the autoscaler runs beside a detached cluster as `vllm-cluster autoscale"
+                          f" --name {state.name}`", flush=True)
                 import ray
 
                 ray.shutdown()  # only this driver: the detached actors and the head stay
                 print(f"running detached; stop it with: vllm-cluster down --name {state.name}"
                       + (f" --state-dir {self.args.state_dir}" if self.args.state_dir else ""))
                 return 0
+            autoscaler = self._start_autoscaler(state)
             print("serving; Ctrl-C stops it", flush=True)
             while True:
                 signal.pause()
@@ -157,6 +163,9 @@ class _Up:
             signal.signal(sig, signal.SIG_IGN)
         print("stopping ...", flush=True)
         try:
+            if autoscaler is not None:
+                autoscaler.stop()
+                autoscaler.scaler.stop()
             cluster.stop()
             self._stop_ray()
             terminate([r.process for r in cluster.records], grace_s=10.0)  # what Ray could not stop
@@ -164,6 +173,18 @@ class _Up:
             self.path.unlink(missing_ok=True)
         print("stopped")
         return 0
+
+    def _start_autoscaler(self, state: ClusterState) -> Autoscaler | None:
+        """The autoscaler (autoscaler.enabled) as a thread of this process, which owns the
+        instances it places."""
+        if not self.deployment.autoscaler.enabled:
+            return None
+        from vllm_cluster.cluster.autoscaler import Autoscaler
+        from vllm_cluster.cluster.scale import PoolScaler
+
+        print(f"autoscaler on: every {self.deployment.autoscaler.interval_s:g} s", flush=True)
+        return Autoscaler(self.deployment.autoscaler, PoolScaler(self.deployment, state, self.path, detached=False,
+                                                                 log=lambda line: print(line, flush=True))).start()
 
     def _start_ray(self) -> str:
         from vllm_cluster.cluster import ray_head

@@ -436,3 +436,65 @@ class LoRAAdapterResponse(_message.Message):
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     changed: bool
     def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
+class AddInstanceRequest(_message.Message):
+    __slots__ = ("role", "address", "name")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class AddInstanceResponse(_message.Message):
+    __slots__ = ("name", "added")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    added: bool
+    def __init__(self, name: _Optional[str] = ..., added: _Optional[bool] = ...) -> None: ...
+
+class RemoveInstanceRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class RemoveInstanceResponse(_message.Message):
+    __slots__ = ("found", "num_inflight")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    num_inflight: int
+    def __init__(self, found: _Optional[bool] = ..., num_inflight: _Optional[int] = ...) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("name", "role", "address", "healthy", "draining", "num_inflight", "num_waiting", "num_running")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    address: str
+    healthy: bool
+    draining: bool
+    num_inflight: int
+    num_waiting: int
+    num_running: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...

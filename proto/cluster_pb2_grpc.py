@@ -842,3 +842,167 @@ class PrefillWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RouterAdminStub:
+    """On the router's gRPC port, for the cluster's own tools: calls carry the cluster token
+    (not the client API key).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AddInstance = channel.unary_unary(
+                '/vllm_cluster.RouterAdmin/AddInstance',
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.AddInstanceRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.AddInstanceResponse.FromString,
+                _registered_method=True)
+        self.RemoveInstance = channel.unary_unary(
+                '/vllm_cluster.RouterAdmin/RemoveInstance',
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.RemoveInstanceRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.RemoveInstanceResponse.FromString,
+                _registered_method=True)
+        self.ListInstances = channel.unary_unary(
+                '/vllm_cluster.RouterAdmin/ListInstances',
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListInstancesResponse.FromString,
+                _registered_method=True)
+
+
+class RouterAdminServicer:
+    """On the router's gRPC port, for the cluster's own tools: calls carry the cluster token
+    (not the client API key).
+    """
+
+    def AddInstance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveInstance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInstances(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RouterAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AddInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddInstance,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.AddInstanceRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.AddInstanceResponse.SerializeToString,
+            ),
+            'RemoveInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveInstance,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.RemoveInstanceRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.RemoveInstanceResponse.SerializeToString,
+            ),
+            'ListInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstances,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListInstancesRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.ListInstancesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'vllm_cluster.RouterAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('vllm_cluster.RouterAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RouterAdmin:
+    """On the router's gRPC port, for the cluster's own tools: calls carry the cluster token
+    (not the client API key).
+    """
+
+    @staticmethod
+    def AddInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.RouterAdmin/AddInstance',
+            vllm__cluster_dot_proto_dot_cluster__pb2.AddInstanceRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.AddInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.RouterAdmin/RemoveInstance',
+            vllm__cluster_dot_proto_dot_cluster__pb2.RemoveInstanceRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.RemoveInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.RouterAdmin/ListInstances',
+            vllm__cluster_dot_proto_dot_cluster__pb2.ListInstancesRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -22,6 +22,8 @@ from vllm_cluster.engine.resolve import max_model_len
 from vllm_cluster.engine.tokenizer import chat_template_text, load_tokenizer
 from vllm_cluster.kv_index import PrefixIndex
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.router.admin import SERVICE_NAME as ADMIN_SERVICE
+from vllm_cluster.router.admin import RouterAdminServicer
 from vllm_cluster.router.openai.app import HttpServer, build_app
 from vllm_cluster.router.openai.backend import RouterBackend
 from vllm_cluster.router.openai.serving import OpenAIServing
@@ -69,12 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     port = config.port if args.port is None else args.port
     # The client API is the public side: no cluster token, the API key when one is configured.
     api_key = config.api_key or os.environ.get(API_KEY_ENV, "")
-    server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation"], api_key=api_key or None,
-                                   tls=config.tls)
+    # The admin service (pools that grow and shrink) takes the cluster token instead.
+    server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation", ADMIN_SERVICE],
+                                   token=token, api_key=api_key or None, tls=config.tls,
+                                   token_services=[ADMIN_SERVICE])
     loopback = bound
     if config.tls is not None:  # the HTTP front's way in, plaintext, on loopback only
         loopback = server.add_insecure_port("127.0.0.1:0")
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    pb_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(registry), server)
     server.start()
     serving = OpenAIServing(
         RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len,

@@ -6,6 +6,14 @@ measures liveness, not speed: a poll that misses its deadline makes an instance 
 cannot serve or cannot be reached (UNAVAILABLE and the like), make it unhealthy, until it
 answers again. The router's own in-flight count per instance is kept here too: it is fresh
 where polled stats lag.
+
+The pools change while the router runs (`vllm-cluster scale`, the autoscaler, through the
+admin service): `add` routes to a new instance from its first healthy poll; `remove` takes
+one out of routing at once (a request already ranked onto it may still reserve there) and
+moves it to the draining set, where it stays, unpolled, until its in-flight count reaches
+0 and `remove` is asked again; then it is forgotten, though a request ranked onto it a
+moment before still gets it from `acquire` (and, once it has stopped, moves on to another
+instance as from any instance that went away).
 """
 
 from __future__ import annotations
@@ -72,21 +80,65 @@ class Registry:
     ) -> None:
         """`poll_timeout_s`: a Stats poll's deadline (default: 4 intervals, at least 2 s)."""
         self._lock = threading.Lock()
-        self.instances: dict[str, Instance] = {}
-        for role, addresses, stub_type in (
-            (EngineRole.PREFILL, prefill, pb_grpc.PrefillWorkerStub),
-            (EngineRole.DECODE, decode, pb_grpc.DecodeWorkerStub),
-        ):
-            for i, address in enumerate(addresses):
-                channel = make_channel(address, token)
-                name = f"{role}-{i}"
-                self.instances[name] = Instance(name, role, address, channel, stub_type(channel))
+        self._token = token
+        self.instances: dict[str, Instance] = {}  # routed to; replaced whole on a change, never mutated
+        self._draining: dict[str, Instance] = {}  # removed, requests still on them
+        self._gone: dict[str, Instance] = {}  # drained and forgotten: only `acquire` finds them
+        self._num_added = {EngineRole.PREFILL: 0, EngineRole.DECODE: 0}
+        for role, addresses in ((EngineRole.PREFILL, prefill), (EngineRole.DECODE, decode)):
+            for address in addresses:
+                self._add_locked(EngineRole(role), address, "")
         self._interval_s = interval_s
         self._poll_timeout_s = poll_timeout_s if poll_timeout_s is not None else max(2.0, interval_s * 4)
         self._stopped = threading.Event()
         self.poll()
         self._thread = threading.Thread(target=self._poll_forever, name="registry-poll", daemon=True)
         self._thread.start()
+
+    def add(self, role: EngineRole, address: str, name: str = "") -> tuple[str, bool]:
+        """Route to the instance at `address` once a poll finds it healthy. Returns (its name,
+        whether it is new: False when an instance at that address is routed to already)."""
+        with self._lock:
+            for instance in self.instances.values():
+                if instance.address == address:
+                    return instance.name, False
+            instance = self._add_locked(role, address, name)
+        logger.info("%s at %s added", instance.name, address)
+        return instance.name, True
+
+    def remove(self, address: str) -> tuple[bool, int]:
+        """Stop routing to the instance at `address`. Returns (whether one was there, routed
+        or draining; the requests of this router still on it). At 0 it is forgotten."""
+        with self._lock:
+            found = next((i for i in self.instances.values() if i.address == address), None)
+            if found is not None:
+                self.instances = {n: i for n, i in self.instances.items() if i is not found}
+                self._draining[found.name] = found
+                logger.info("%s at %s removed: draining %d requests", found.name, address, found.num_inflight)
+            draining = next((i for i in self._draining.values() if i.address == address), None)
+            if draining is None:
+                return False, 0
+            if draining.num_inflight == 0:
+                self._gone[draining.name] = self._draining.pop(draining.name)
+            return True, draining.num_inflight
+
+    def draining(self) -> list[Instance]:
+        with self._lock:
+            return list(self._draining.values())
+
+    def _add_locked(self, role: EngineRole, address: str, name: str) -> Instance:
+        """`name` ("" or taken by another instance: the next free `<role>-<n>`)."""
+        if not name or name in self.instances or name in self._draining:
+            name = f"{role}-{self._num_added[role]}"
+            while name in self.instances or name in self._draining:
+                self._num_added[role] += 1
+                name = f"{role}-{self._num_added[role]}"
+            self._num_added[role] += 1
+        stub_type = pb_grpc.PrefillWorkerStub if role == EngineRole.PREFILL else pb_grpc.DecodeWorkerStub
+        channel = make_channel(address, self._token)
+        instance = Instance(name, role, address, channel, stub_type(channel))
+        self.instances = {**self.instances, name: instance}
+        return instance
 
     def of_role(self, role: EngineRole) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
@@ -110,8 +162,9 @@ class Registry:
             return {name for i in self.instances.values() for name in i.stats.lora_names}
 
     def acquire(self, name: str) -> Instance:
+        """`name` was ranked a moment ago: it may be draining since (it takes the request)."""
         with self._lock:
-            instance = self.instances[name]
+            instance = self.instances.get(name) or self._draining.get(name) or self._gone[name]
             instance.num_inflight += 1
             return instance
 
@@ -162,5 +215,5 @@ class Registry:
     def close(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=5)
-        for instance in self.instances.values():
+        for instance in [*self.instances.values(), *self._draining.values(), *self._gone.values()]:
             instance.channel.close()

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import threading
 from collections.abc import Callable, Iterable
@@ -51,14 +52,17 @@ CHANNEL_OPTIONS = [
 class _SecretCheck(grpc.ServerInterceptor):
     """Refuse calls whose metadata `key` is not `expected` (compared in constant time)."""
 
-    def __init__(self, key: str, expected: str, message: str) -> None:
+    def __init__(
+        self, key: str, expected: str, message: str, applies: Callable[[str], bool] = lambda _: True
+    ) -> None:
         self._key = key
         self._expected = expected.encode()
         self._message = message
+        self._applies = applies  # method path -> whether this check guards it
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
-        if handler is None or details.method.startswith(_OPEN_PREFIXES):
+        if handler is None or details.method.startswith(_OPEN_PREFIXES) or not self._applies(details.method):
             return handler
         given = dict(details.invocation_metadata).get(self._key, "")
         if hmac.compare_digest(str(given).encode(), self._expected):
@@ -86,24 +90,35 @@ def make_server(
     max_workers: int = MAX_WORKERS,
     api_key: str | None = None,
     tls: tuple[Path, Path] | None = None,
+    token_services: Iterable[str] = (),
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A server bound to `address` ("127.0.0.1:0" picks a port) with health and reflection.
 
     `token`: the cluster token internal calls must carry. `api_key`: the key client calls
     must carry as `authorization: Bearer <key>` metadata (the router's public side).
     `tls`: (certificate chain PEM, private key PEM): the port speaks TLS only.
+    `token_services`: services (full names) whose calls need the cluster token instead of
+    the API key, on a server that also serves clients (the router's admin service); with
+    them, `token` guards only those and `api_key` only the rest.
     Returns (server, bound port, health servicer). Add the services, then `server.start()`.
     """
+    internal = tuple(f"/{name}/" for name in token_services)
+
+    def is_internal(method: str) -> bool:
+        return not internal or method.startswith(internal)
+
     interceptors: list[grpc.ServerInterceptor] = []
-    if token:
+    if token or internal:  # a token service with no token configured refuses every call
         interceptors.append(_SecretCheck(
-            TOKEN_METADATA_KEY, token,
+            TOKEN_METADATA_KEY, token or secrets.token_hex(16),
             "missing or wrong cluster token: start every process of the cluster with the same token",
+            is_internal,
         ))
     if api_key:
         interceptors.append(_SecretCheck(
             "authorization", f"Bearer {api_key}",
             "missing or wrong API key: send metadata `authorization: Bearer <key>`",
+            lambda method: not internal or not method.startswith(internal),
         ))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
