@@ -214,7 +214,7 @@ class Deployment:
     @property
     def wants_prefix_index(self) -> bool:
         """Instances publish to Redis only when something reads it."""
-        return self.router.policy == "prefix_aware" or bool(self.redis_url)
+        return self.router.policy == "prefix_aware" or self.router.kv_pull or bool(self.redis_url)
 
     def process_yaml(self, role: str) -> str:
         """The resolved file one pool's processes read (`--config`): overrides applied, the

@@ -76,7 +76,9 @@ class LocalCluster:
         section = {**(data.get("cluster") or {}), **overrides}
         cluster = cls(path, ClusterConfig.from_dict(section))
         router = data.get("router") or {}
-        cluster._wants_prefix_index = router.get("policy") == "prefix_aware" or bool(router.get("redis_url"))
+        cluster._wants_prefix_index = (
+            router.get("policy") == "prefix_aware" or bool(router.get("kv_pull")) or bool(router.get("redis_url"))
+        )
         if router.get("redis_url") and not cluster.redis_url:
             cluster.redis_url = str(router["redis_url"])
         return cluster

@@ -11,9 +11,11 @@ Lifecycle of a request here:
   3. `Decode`: with a first token, wait until every expected block has landed; then the
      request joins the running batch with that token. Without one (prefill skipped or
      failed), or when the KV does not arrive in time under policy `recompute`, decode
-     computes the prompt itself. Decode answers once the request has joined; its tokens
-     travel on the caller's `Outputs` stream (decode_service/outputs.py), which carries each
-     engine step's tokens of all the caller's requests as one message.
+     computes the prompt itself (after the blocks another instance pushed from its cache,
+     `num_pulled_blocks`, have landed: engine/kv_pull.py). Decode answers once the request
+     has joined; its tokens travel on the caller's `Outputs` stream
+     (decode_service/outputs.py), which carries each engine step's tokens of all the
+     caller's requests as one message.
   4. `Release`, a lease that runs out, or the caller's Outputs stream ending aborts the
      request; the receiver stops writing into its blocks before they are freed.
 Invariant: a block is freed only after the receiver guarantees nothing more lands in it.
@@ -41,6 +43,7 @@ from vllm_cluster.worker.convert import (
     sampled_token_from_proto,
     worker_stats_to_proto,
 )
+from vllm_cluster.worker.kv_pull import wait_pulled
 from vllm_cluster.worker.lora_admin import load_lora_adapter, unload_lora_adapter
 from vllm_cluster.worker.rpc import StreamSlots, abort
 
@@ -174,6 +177,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             else:
                 logger.warning("KV of %s did not arrive (%s); computing the prompt here", request_id, status.name)
                 recomputed = True
+        elif msg.num_pulled_blocks:  # another instance pushed a prefix: only the rest is computed
+            wait_pulled(self._loop, self._receiver, request_id, msg.num_pulled_blocks, timeout_s)
         self._receiver.cancel(request_id)  # landed or given up: nothing more may arrive
         return first_token, pb.Timings(transfer_s=time.monotonic() - start, recomputed=recomputed)
 

@@ -239,6 +239,12 @@ class KVReceiver(Protocol):
         """Block until the transfer is no longer PENDING, or until the timeout (then PENDING)."""
         ...
 
+    def wait_blocks(self, transfer_id: str, block_ids: list[int], timeout_s: float) -> bool:
+        """Block until every layer of these expected blocks (a part of the transfer) landed:
+        True; False at the timeout, or when the transfer failed, was cancelled or does not
+        expect them all. (A pull fills only the leading blocks of a reservation.)"""
+        ...
+
     def cancel(self, transfer_id: str) -> None:
         """Stop writes into its blocks (returns after in-flight writes finished); forget it."""
         ...

@@ -132,6 +132,9 @@ class CudaIpcReceiver:
     def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
         return self._table.wait(transfer_id, timeout_s)
 
+    def wait_blocks(self, transfer_id: str, block_ids: list[int], timeout_s: float) -> bool:
+        return self._table.wait_blocks(transfer_id, block_ids, timeout_s)
+
     def cancel(self, transfer_id: str) -> None:
         pending = self._table.status(transfer_id) == TransferStatus.PENDING
         self._table.cancel(transfer_id)  # landed notices for it are ignored from now on

@@ -9,6 +9,7 @@ land and what has landed:
    must go to scratch and be dropped (unknown, cancelled or finished transfer).
 3. `end_chunk(header, landed)` ends the flight; once every (layer, block) landed the
    transfer is DONE.
+   `wait_blocks(tid, block_ids)` waits for a part of it (a pull fills leading blocks only).
 4. `cancel(tid)` marks it CANCELLED, so no new chunk begins, waits for the chunks in
    flight, then forgets it. Finished transfers are kept (for `status`) until cancelled or
    until `max_num_finished` newer ones finished.
@@ -109,6 +110,24 @@ class ReceiveTable:
                 lambda: self._status(transfer_id) != TransferStatus.PENDING, timeout_s
             )
             return self._status(transfer_id)
+
+    def wait_blocks(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> bool:
+        """True once every layer of `block_ids` (all expected by the transfer) has landed."""
+        wanted = np.asarray(block_ids, dtype=np.int64)
+
+        def landed() -> bool | None:  # None: not yet
+            incoming = self._incoming.get(transfer_id)
+            if incoming is None or incoming.status in (TransferStatus.FAILED, TransferStatus.CANCELLED):
+                return False
+            columns = np.searchsorted(incoming.block_ids, wanted)
+            expected = columns < len(incoming.block_ids)
+            if not expected.all() or (incoming.block_ids[columns] != wanted).any():
+                return False
+            return True if bool(incoming.landed[:, columns].all()) else None
+
+        with self._cond:
+            self._cond.wait_for(lambda: landed() is not None, timeout_s)
+            return landed() is True
 
     def cancel(self, transfer_id: str) -> None:
         with self._cond:

@@ -16,6 +16,9 @@ _loaded_blocks, _loaded_bytes, _load_seconds, _failed_loads, _stored_blocks,
 _stored_bytes, _evicted_blocks (counters), _blocks and _max_blocks (gauges).
 Decode adds reservations whose KV has not landed and leases that expired (collector);
 prefill adds each KV push as its servicer sees it complete (bytes, seconds, failures).
+Prefill and decode instances count the pulls they serve (cross-instance KV reuse, docs/kv_tiers.md):
+vllm_cluster:kv_pulls, _pull_blocks, _pull_bytes, _pull_failures (counters) and
+vllm_cluster:kv_pull_seconds (histogram).
 Labels: model_name, role, instance_id (not `instance`: Prometheus sets that on every
 scraped series to the target's address).
 """
@@ -54,6 +57,30 @@ class InstanceMetrics:
                                         registry=self.registry).labels(*self._values)
             self._push_failures = Counter("vllm_cluster:kv_push_failures", "KV pushes that failed.",
                                           _LABELS, registry=self.registry).labels(*self._values)
+
+        if self.role in (EngineRole.PREFILL, EngineRole.DECODE):  # the instances that serve pulls
+            self._pulls = Counter("vllm_cluster:kv_pulls", "Pulls served: prefix blocks pushed from this "
+                                  "instance's cache into another's reservation.", _LABELS,
+                                  registry=self.registry).labels(*self._values)
+            self._pull_blocks = Counter("vllm_cluster:kv_pull_blocks", "Blocks pushed by pulls served.",
+                                        _LABELS, registry=self.registry).labels(*self._values)
+            self._pull_bytes = Counter("vllm_cluster:kv_pull_bytes", "KV cache bytes pushed by pulls served.",
+                                       _LABELS, registry=self.registry).labels(*self._values)
+            self._pull_time = Histogram("vllm_cluster:kv_pull_seconds", "Per pull served: pin, push, confirm.",
+                                        _LABELS, buckets=buckets.KV_TRANSFER_S,
+                                        registry=self.registry).labels(*self._values)
+            self._pull_failures = Counter("vllm_cluster:kv_pull_failures", "Pulls served that pushed nothing "
+                                          "because of an error (not eviction).", _LABELS,
+                                          registry=self.registry).labels(*self._values)
+
+    def observe_pull(self, num_blocks: int, num_bytes: int, seconds: float, ok: bool) -> None:
+        """One pull served (prefill or decode role): blocks and bytes pushed, or a failure."""
+        self._pulls.inc()
+        self._pull_blocks.inc(num_blocks)
+        self._pull_bytes.inc(num_bytes)
+        self._pull_time.observe(seconds)
+        if not ok:
+            self._pull_failures.inc()
 
     def observe_push(self, num_bytes: int, seconds: float, ok: bool) -> None:
         """Prefill role: one request's KV push has completed (or failed)."""

@@ -7,12 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+import grpc
+
 from vllm_cluster.engine.config import EngineRole
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.kv_transfer import KVLayout, make_sender
 from vllm_cluster.metrics import InstanceMetrics
 from vllm_cluster.prefill_service.servicer import PrefillServicer
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.worker.kv_pull import KVPullServicer
 from vllm_cluster.worker.main import add_worker_args, build_engine, cluster_token, serve
 
 
@@ -27,9 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     loop = EngineLoop(core, tokenizer=None, stall_timeout_s=args.stall_timeout_s)  # prefill only samples one token
     metrics = InstanceMetrics(loop, args.name)
     servicer = PrefillServicer(loop, sender, layout, args.transfer_timeout_s, metrics)
+    pulls = KVPullServicer(loop, lambda: sender, layout, metrics)
+
+    def add_servicers(server: grpc.Server) -> None:
+        pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+        pb_grpc.add_KVPullServicer_to_server(pulls, server)
+
     try:
-        serve(args, "vllm_cluster.PrefillWorker",
-              lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server), {}, loop, metrics)
+        serve(args, "vllm_cluster.PrefillWorker", add_servicers, {}, loop, metrics)
     finally:
         loop.stop()
         sender.close()

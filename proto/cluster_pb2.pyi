@@ -132,7 +132,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed", "num_kv_blocks_sent", "prefill_cached_tokens", "decode_cached_tokens", "migrations")
+    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed", "num_kv_blocks_sent", "prefill_cached_tokens", "decode_cached_tokens", "migrations", "num_kv_blocks_pulled")
     ROUTER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class Timings(_message.Message):
     PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     router_s: float
     prefill_queue_s: float
     prefill_compute_s: float
@@ -159,7 +160,8 @@ class Timings(_message.Message):
     prefill_cached_tokens: int
     decode_cached_tokens: int
     migrations: int
-    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+    num_kv_blocks_pulled: int
+    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., num_kv_blocks_pulled: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "timings", "prompt_logprobs")
@@ -338,18 +340,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., transfer_status: _Optional[_Union[TransferStatus, str]] = ..., transfer_error: _Optional[str] = ..., num_blocks_sent: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "on_transfer_failure", "transfer_timeout_s", "subscriber_id")
+    __slots__ = ("request_id", "first_token", "on_transfer_failure", "transfer_timeout_s", "subscriber_id", "num_pulled_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ON_TRANSFER_FAILURE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: TokenLogprob
     on_transfer_failure: FailurePolicy
     transfer_timeout_s: float
     subscriber_id: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., on_transfer_failure: _Optional[_Union[FailurePolicy, str]] = ..., transfer_timeout_s: _Optional[float] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+    num_pulled_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., on_transfer_failure: _Optional[_Union[FailurePolicy, str]] = ..., transfer_timeout_s: _Optional[float] = ..., subscriber_id: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeStarted(_message.Message):
     __slots__ = ()
@@ -498,3 +502,23 @@ class ListInstancesResponse(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...
+
+class PushCachedRequest(_message.Message):
+    __slots__ = ("block_hashes", "reservation", "num_skip_blocks", "timeout_s")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    reservation: Reservation
+    num_skip_blocks: int
+    timeout_s: float
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., num_skip_blocks: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PushCachedResponse(_message.Message):
+    __slots__ = ("num_blocks_pushed", "error")
+    NUM_BLOCKS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_pushed: int
+    error: str
+    def __init__(self, num_blocks_pushed: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1006,3 +1006,75 @@ class RouterAdmin:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVPullStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PushCached = channel.unary_unary(
+                '/vllm_cluster.KVPull/PushCached',
+                request_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.PushCachedRequest.SerializeToString,
+                response_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.PushCachedResponse.FromString,
+                _registered_method=True)
+
+
+class KVPullServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def PushCached(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVPullServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PushCached': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushCached,
+                    request_deserializer=vllm__cluster_dot_proto_dot_cluster__pb2.PushCachedRequest.FromString,
+                    response_serializer=vllm__cluster_dot_proto_dot_cluster__pb2.PushCachedResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'vllm_cluster.KVPull', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('vllm_cluster.KVPull', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVPull:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def PushCached(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vllm_cluster.KVPull/PushCached',
+            vllm__cluster_dot_proto_dot_cluster__pb2.PushCachedRequest.SerializeToString,
+            vllm__cluster_dot_proto_dot_cluster__pb2.PushCachedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV)
     registry = Registry(args.prefill, args.decode, token, config.stats_interval_s)
     prefix_index = None
-    if config.redis_url and config.policy == "prefix_aware":
+    if config.redis_url and (config.policy == "prefix_aware" or config.kv_pull):
         prefix_index = PrefixIndex(config.redis_url, engine_config.model.model, config.prefix_index_timeout_s)
     context_len = max_model_len(engine_config, ModelArchConfig.from_hf_dict(source.hf_config).max_position_embeddings)
     servicer = RouterServicer(

@@ -45,9 +45,10 @@ class DecodeLeg:
 
     def start(
         self, handoff: Handoff, decode: Instance, request: pb.WorkerRequest, prefilled: pb.PrefillResponse | None,
-        context: grpc.ServicerContext,
+        context: grpc.ServicerContext, num_pulled_blocks: int = 0,
     ) -> None:
-        """Decode answers once the request has joined its batch; the tokens come on the Outputs stream."""
+        """Decode answers once the request has joined its batch; the tokens come on the Outputs stream.
+        `num_pulled_blocks`: prompt blocks another instance pushed into the reservation (router/pull.py)."""
         future = decode.stub.Decode.future(
             pb.DecodeRequest(
                 request_id=request.request_id,
@@ -55,6 +56,7 @@ class DecodeLeg:
                 on_transfer_failure=_failure_policy(self._config.on_transfer_failure),
                 transfer_timeout_s=self._config.transfer_timeout_s,
                 subscriber_id=self._outputs.subscriber_id,
+                num_pulled_blocks=num_pulled_blocks,
             )
         )
         handoff.on_abort(future.cancel)

@@ -49,6 +49,7 @@ from vllm_cluster.router.migration import DecodeLost, Progress, continuation, he
 from vllm_cluster.router.placement import Placement
 from vllm_cluster.router.policy import should_skip_prefill
 from vllm_cluster.router.prompts import prepare
+from vllm_cluster.router.pull import PullCost, Puller
 from vllm_cluster.router.registry import Registry
 from vllm_cluster.worker.router_config import RouterConfig
 from vllm_cluster.worker.rpc import StreamSlots
@@ -72,6 +73,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(model_name, max_model_len)
         self._placement = Placement(config, registry, block_size, prefix_index)
+        self._puller = Puller(registry, prefix_index, block_size, PullCost(
+            config.kv_pull_link_gib_s * 2**30, config.kv_pull_recompute_tokens_s, config.kv_pull_setup_s,
+        ), config.kv_pull_timeout_s) if config.kv_pull and prefix_index is not None else None
         self._registry = registry
         self.loras = LoRAAdapters(registry)
         self._tokenizer = tokenizer
@@ -200,7 +204,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
             with self.metrics.num_reservations_waiting.track_inprogress():
                 if not progress.migrations:
                     timings.router_s = time.monotonic() - arrival
-                prefilled = self._prefill(handoff, request, reservation, overlap, timings, context)
+                # Cross-instance reuse: pulled blocks replace the prefill; decode computes the rest.
+                num_pulled = 0 if self._puller is None else self._puller.pull(request, decode, reservation, overlap)
+                timings.num_kv_blocks_pulled += num_pulled
+                prefilled = None if num_pulled else self._prefill(
+                    handoff, request, reservation, overlap, timings, context)
                 if prefilled is not None and not progress.migrations:
                     progress.prompt_logprobs = list(prefilled.prompt_logprobs)
                 if not handoff.advance(HandoffState.DECODING):
@@ -208,7 +216,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 outputs = self._decode_leg.open_outputs(decode, request.request_id)
                 handoff.on_abort(outputs.cancel)
                 try:
-                    self._decode_leg.start(handoff, decode, request, prefilled, context)
+                    self._decode_leg.start(handoff, decode, request, prefilled, context, num_pulled)
                 except BaseException:
                     outputs.close()
                     raise

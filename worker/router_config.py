@@ -74,6 +74,15 @@ class RouterConfig:
     prefix_weight_overlap: float = 2.0
     prefix_weight_usage: float = 1.0
     prefix_weight_load: float = 1.0
+    # Cross-instance KV reuse (docs/kv_tiers.md): a request whose instance lacks a prefix that
+    # another instance holds pulls those blocks from it when moving them is cheaper than
+    # computing them: blocks x bytes / kv_pull_link_gib_s + kv_pull_setup_s against their tokens
+    # at kv_pull_recompute_tokens_s. Needs the prefix index (Redis).
+    kv_pull: bool = False
+    kv_pull_link_gib_s: float = 1.0
+    kv_pull_recompute_tokens_s: float = 2000.0
+    kv_pull_setup_s: float = 0.02
+    kv_pull_timeout_s: float = 5.0  # the holder's sends; a slower pull pushes nothing
 
     @property
     def tls(self) -> tuple[Path, Path] | None:
@@ -112,11 +121,14 @@ class RouterConfig:
             raise ConfigError("router.queue_timeout_s must be >= 0")
         if self.max_migrations < 0:
             raise ConfigError("router.max_migrations must be >= 0 (0: no migration)")
+        if self.kv_pull_setup_s < 0:
+            raise ConfigError("router.kv_pull_setup_s must be >= 0")
         if self.min_prefill_tokens < 0:
             raise ConfigError("router.min_prefill_tokens must be >= 0 (0: always prefill)")
         for name in (
             "drain_grace_s", "lease_s", "transfer_timeout_s", "prefill_timeout_s", "stats_interval_s",
-            "prefix_index_timeout_s", "http_header_timeout_s", "http_body_timeout_s",
+            "prefix_index_timeout_s", "http_header_timeout_s", "http_body_timeout_s", "kv_pull_link_gib_s",
+            "kv_pull_recompute_tokens_s", "kv_pull_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0")

