@@ -24,7 +24,7 @@ import torch
 from vllm_cluster.engine.engine_core import EngineCore
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.engine.kv_pull import cache_pulled, pin_cached_prefix, reserved_blocks, transferring_request, unpin
-from vllm_cluster.kv_transfer import KVLayout, KVReceiver, KVSender, TransferStatus
+from vllm_cluster.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, TransferStatus
 from vllm_cluster.metrics import InstanceMetrics
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
@@ -85,9 +85,14 @@ class KVPullServicer(pb_grpc.KVPullServicer):
             return f"the reservation has {len(reservation.block_ids)} blocks, too few for this pull"
         transfer_id = reservation.transfer_id
         sender = self.sender()
-        for layer in range(self._layout.num_layers):
-            sender.push_layer(reservation.kv_endpoint, transfer_id, layer, block_ids, dst)
-        status = sender.wait(transfer_id, msg.timeout_s or 30.0)
+        timeout_s = msg.timeout_s or 30.0
+        try:
+            for layer in range(self._layout.num_layers):
+                sender.push_layer(reservation.kv_endpoint, transfer_id, layer, block_ids, dst)
+        except KVTransferError as e:
+            sender.wait(transfer_id, timeout_s)  # what was queued reads the blocks: finish before unpinning
+            return str(e)
+        status = sender.wait(transfer_id, timeout_s)
         if status == TransferStatus.DONE:
             return ""
         return sender.error(transfer_id) or f"transfer {status.name.lower()}"

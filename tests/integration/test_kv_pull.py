@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +64,16 @@ def _queries(cluster: LocalCluster) -> list[int]:
     return [s.Stats(pb.StatsRequest(), timeout=5).prefix_cache_queries for s in stubs]  # type: ignore[attr-defined]
 
 
+def _decodes(cluster: LocalCluster) -> list[str]:
+    return [name for name in cluster.metrics_addresses if name.startswith("decode")]
+
+
+def _metric(cluster: LocalCluster, process: str, name: str) -> float:
+    with urllib.request.urlopen(cluster.metrics_addresses[process] + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 def _published() -> None:
     time.sleep(0.5)  # block events reach Redis within a flush interval (tens of ms)
 
@@ -77,6 +88,10 @@ def test_the_instance_lacking_a_prefix_pulls_it(cluster: LocalCluster, client: C
     assert tokens == _expected(smollm2, second)
     num_prefix_blocks = len(smollm2.get_tokenizer().encode(PREFIX)) // 16
     assert timings.num_kv_blocks_pulled >= num_prefix_blocks - 1
+    # The holder counted the pull it served: as many blocks as the request says it pulled.
+    assert sum(_metric(cluster, name, "vllm_cluster:kv_pull_blocks_total") for name in _decodes(cluster)) == (
+        timings.num_kv_blocks_pulled
+    )
     assert_blocks_return(cluster)
 
 
