@@ -25,7 +25,7 @@ from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.admin import SERVICE_NAME as ADMIN_SERVICE
 from vllm_cluster.router.admin import RouterAdminServicer
 from vllm_cluster.router.openai.app import HttpServer, build_app
-from vllm_cluster.router.openai.backend import RouterBackend
+from vllm_cluster.router.openai.local_backend import LocalBackend
 from vllm_cluster.router.openai.serving import OpenAIServing
 from vllm_cluster.router.registry import Registry
 from vllm_cluster.router.servicer import RouterServicer
@@ -75,17 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     server, bound, _ = make_server(f"{config.host}:{port}", ["vllm_cluster.Generation", ADMIN_SERVICE],
                                    token=token, api_key=api_key or None, tls=config.tls,
                                    token_services=[ADMIN_SERVICE])
-    loopback = bound
-    if config.tls is not None:  # the HTTP front's way in, plaintext, on loopback only
-        loopback = server.add_insecure_port("127.0.0.1:0")
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     pb_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(registry), server)
     server.start()
+    draining = threading.Event()
     serving = OpenAIServing(
-        RouterBackend(f"127.0.0.1:{loopback}", api_key), tokenizer, engine_config.model.model, context_len,
+        LocalBackend(servicer, draining), tokenizer, engine_config.model.model, context_len,
         config.reasoning_parser, config.tool_call_parser, config.enable_auto_tool_choice,
     )
-    draining = threading.Event()
     http = _start_http(config, args, serving, servicer, registry, api_key, draining)
     log = logging.getLogger(__name__)
     log.info("router serving gRPC on %s:%d, OpenAI HTTP on http://%s:%d", config.host, bound, config.host, http.port)
@@ -100,7 +97,7 @@ def _start_http(
     config: RouterConfig, args: argparse.Namespace, serving: OpenAIServing, servicer: RouterServicer,
     registry: Registry, api_key: str, draining: threading.Event,
 ) -> HttpServer:
-    """The OpenAI front; `serving` calls this router's own gRPC API over loopback."""
+    """The OpenAI front; `serving` calls this router's servicer in-process."""
 
     def metrics() -> tuple[bytes, str]:
         return generate_latest(servicer.metrics.registry), CONTENT_TYPE_LATEST

@@ -1,4 +1,6 @@
-"""The HTTP front's way into the cluster: the router's own gRPC client API over loopback.
+"""The HTTP front's way into the cluster through a router's gRPC client API (an HTTP front
+in a process of its own; in the router's process, local_backend.py calls the servicer
+directly).
 
 Every HTTP request becomes one `Generate` call per choice, so both fronts share one
 request path (routing, hand-off, aborts, metrics) and a dropped HTTP client cancels its
@@ -15,6 +17,7 @@ import logging
 import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -33,7 +36,7 @@ _LINK_DOWN = re.compile(
     r"|recvmsg|sendmsg|Broken pipe|GOAWAY|Stream removed|keepalive watchdog|Connection timed out|Channel closed)",
     re.IGNORECASE,
 )
-_ROUTER_DOWN = f"the router is not taking requests right now (restarting or shutting down); retry in {RETRY_AFTER_S} s"
+ROUTER_DOWN = f"the router is not taking requests right now (restarting or shutting down); retry in {RETRY_AFTER_S} s"
 
 # Fields only the instances can check (token ids against the vocabulary, the scheduling
 # policy): their messages start with the field's name, which becomes the error's param.
@@ -60,7 +63,7 @@ def api_error(e: grpc.RpcError) -> ApiError:
     details = e.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE and _LINK_DOWN.match(details):
         logger.warning("the router's gRPC API is unreachable: %s", details)
-        return ApiError(503, _ROUTER_DOWN, retry_after_s=RETRY_AFTER_S)
+        return ApiError(503, ROUTER_DOWN, retry_after_s=RETRY_AFTER_S)
     param = None
     if code == grpc.StatusCode.NOT_FOUND and details.startswith("The model `"):
         # vLLM's message, word for word (clients match it); the router's gRPC one goes on
@@ -69,6 +72,20 @@ def api_error(e: grpc.RpcError) -> ApiError:
     elif code == grpc.StatusCode.INVALID_ARGUMENT and (field := _INSTANCE_CHECKED.search(details)):
         param = field.group(1)
     return ApiError(status, details, param, retry_after_s=retry)
+
+
+class Backend(Protocol):
+    """What the HTTP front needs of the router (RouterBackend, LocalBackend)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def list_models(self) -> list[pb.ModelCard]: ...
+
+    async def lora_adapter(self, load: bool, name: str, path: str) -> None: ...
+
+    def generate(self, requests: list[pb.GenerateRequest]) -> AsyncGenerator[Piece, None]: ...
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from vllm_cluster.engine.errors import InvalidRequestError
 from vllm_cluster.engine.sampling_params import truncate_prompt
 from vllm_cluster.engine.tokenizer import apply_chat_template
 from vllm_cluster.proto import cluster_pb2 as pb
-from vllm_cluster.router.openai.backend import Piece, RouterBackend
+from vllm_cluster.router.openai.backend import Backend, Piece
 from vllm_cluster.router.openai.chat_output import ChatOutput
 from vllm_cluster.router.openai.echo import completion_piece, prompt_texts
 from vllm_cluster.router.openai.errors import ApiError, bad_request, error_body
@@ -81,7 +81,7 @@ class _Job:
 
 class OpenAIServing:
     def __init__(
-        self, backend: RouterBackend, tokenizer: Any, model_name: str, max_model_len: int, reasoning_parser: str = "",
+        self, backend: Backend, tokenizer: Any, model_name: str, max_model_len: int, reasoning_parser: str = "",
         tool_call_parser: str = "", enable_auto_tool_choice: bool = False,
     ) -> None:
         self.backend = backend
