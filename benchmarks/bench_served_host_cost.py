@@ -17,11 +17,14 @@ Offline: `LLM.generate` on the same prompts in this process (its CPU time).
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import multiprocessing
 import os
 import random
 import tempfile
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +66,30 @@ def client_share(address: str, prompts: list[list[int]], output_len: int) -> int
     return sum(len(c.token_ids) for c in done)
 
 
+def http_share(address: str, prompts: list[list[int]], output_len: int) -> int:
+    """One client process over the OpenAI HTTP API (streamed /v1/completions); returns the
+    tokens its answers' usage reports."""
+    url = urllib.parse.urlsplit(address)
+
+    def one(prompt: list[int]) -> int:
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+        body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        tokens = 0
+        for line in response:
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+        conn.close()
+        return tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return sum(pool.map(one, prompts))
+
+
 def served(args: argparse.Namespace, prompts: list[list[int]], stream_interval: int) -> dict:
     config = {"engine": engine_section(args, stream_interval), "cluster": {"num_prefill": 0, "num_decode": 1},
               "router": {"min_prefill_tokens": 1 << 30}}
@@ -70,13 +97,15 @@ def served(args: argparse.Namespace, prompts: list[list[int]], stream_interval: 
         path = Path(tmp) / "bench.yaml"
         path.write_text(yaml.safe_dump(config))
         with LocalCluster.from_yaml(path) as cluster:
-            client_share(cluster.router_address, prompts[:4], 4)  # warm-up
+            share, address = ((http_share, cluster.http_address) if args.api == "http"
+                              else (client_share, cluster.router_address))
+            share(address, prompts[:4], 4)  # warm-up
             pids = {p.name: p.popen.pid for p in cluster.processes}
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             shares = [prompts[i:: args.client_processes] for i in range(args.client_processes)]
             start = time.perf_counter()
             with multiprocessing.get_context("spawn").Pool(args.client_processes) as pool:
-                tokens = sum(pool.starmap(client_share, [(cluster.router_address, s, args.output_len) for s in shares]))
+                tokens = sum(pool.starmap(share, [(address, s, args.output_len) for s in shares]))
             elapsed = time.perf_counter() - start
             after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     used = {name: after[name] - before[name] for name in pids}
@@ -104,6 +133,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--client-processes", type=int, default=2)
     parser.add_argument("--stream-intervals", default="1,4")
+    parser.add_argument("--api", choices=["grpc", "http"], default="grpc",
+                        help="the clients' API: the router's gRPC Generate, or its OpenAI HTTP front")
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.num_requests)]
@@ -117,7 +148,7 @@ def main() -> None:
     print(f"| offline LLM.generate (baseline) | {off['tokens'] / off['elapsed']:.0f} | "
           f"{us(off['cpu'], off['tokens'])} | - |")
     for interval, srv in runs.items():
-        print(f"| served (gRPC), stream_interval {interval} | {srv['tokens'] / srv['elapsed']:.0f} | "
+        print(f"| served ({args.api}), stream_interval {interval} | {srv['tokens'] / srv['elapsed']:.0f} | "
               f"{us(srv['decode_cpu'], srv['tokens'])} | {us(srv['router_cpu'], srv['tokens'])} |")
 
 
