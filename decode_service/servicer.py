@@ -146,7 +146,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             attached = subscriber.attach(request_id, timings)
             if not attached:
                 self._loop.abort(request_id)
-                abort(context, grpc.StatusCode.CANCELLED, f"the Outputs stream {msg.subscriber_id!r} has ended")
+                abort(context, grpc.StatusCode.ABORTED,  # the caller replays it elsewhere
+                      f"the Outputs stream {msg.subscriber_id!r} has ended")
         finally:
             if not attached:
                 self.slots.release()
