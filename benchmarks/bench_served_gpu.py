@@ -10,8 +10,9 @@ request sent at once, `ignore_eos`. Offline runs in a process of its own. Served
 --modes and --stream-intervals value, each cluster started fresh: `colocated` is one decode
 instance computing its prompts itself (what the served path costs); `disaggregated` is one
 prefill and one decode instance sharing the GPU, every prompt computed by the prefill and
-its KV handed over by --transport. Prints output tokens/s and each served run's ratio to
-offline; then, on the same warm cluster, the median time to first token at concurrency 1
+its KV handed over by --transport; the clients use --backend (the router's gRPC API, or
+its OpenAI HTTP front). Prints output tokens/s and each served run's ratio to offline;
+then, on the same warm cluster, the median time to first token at concurrency 1
 over --ttft-prompts fresh prompts of --input-len tokens (the figure that compares a prefill
 instance's hand-off against a colocated engine computing the prompt itself).
 """
@@ -69,8 +70,10 @@ def served(args: argparse.Namespace, tmp: Path, mode: str, stream_interval: int)
     path.write_text(yaml.safe_dump(config))
     name = f"served-{mode}-{stream_interval}.json"
     with LocalCluster.from_yaml(path) as cluster:
-        bench = [*CLI, "bench", "serve", "--backend", "grpc", "--address", cluster.router_address,
-                 "--api-key", cluster.api_key or "", "--disable-tqdm", "--save-result", "--result-dir", str(tmp)]
+        target = (["--backend", "grpc", "--address", cluster.router_address] if args.backend == "grpc"
+                  else ["--backend", "openai", "--base-url", cluster.http_address])
+        bench = [*CLI, "bench", "serve", *target, "--api-key", cluster.api_key or "", "--disable-tqdm",
+                 "--save-result", "--result-dir", str(tmp)]
         subprocess.run([*bench, *workload(args), "--num-warmups", "8", "--num-client-processes",
                         str(args.client_processes), "--result-filename", name], check=True)
         if args.ttft_prompts:  # one request at a time, exact lengths, prompts the cluster has not seen
@@ -98,6 +101,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's own (two instances on one "
                         "GPU may not hold llama-3.1-8b's 131,072 tokens each)")
     parser.add_argument("--ttft-prompts", type=int, default=16, help="concurrency-1 TTFT pass (0: skip)")
+    parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                        help="the clients' API: the router's gRPC Generate, or the OpenAI HTTP front (/v1/completions)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -112,8 +117,8 @@ def main() -> None:
     for (mode, interval), run in runs.items():
         tps = run["output_throughput"]
         ttft_c1 = f"{run['ttft_c1_ms']:.1f}" if "ttft_c1_ms" in run else "-"
-        print(f"| served `bench serve`, {mode}, stream_interval {interval} | {tps:.0f} | {tps / base:.2f} | "
-              f"{run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} | {ttft_c1} |")
+        print(f"| served `bench serve` ({args.backend}), {mode}, stream_interval {interval} | {tps:.0f} | "
+              f"{tps / base:.2f} | {run['median_ttft_ms']:.0f} | {run['median_tpot_ms']:.1f} | {ttft_c1} |")
 
 
 if __name__ == "__main__":
