@@ -158,9 +158,9 @@ class DecodeOutputs:
         try:
             for message in stream.call:
                 stream.ready.set()
-                for output in message.outputs:
-                    with self._lock:
-                        target = stream.requests.get(output.response.request_id)
+                with self._lock:  # once per message, not per request in it
+                    targets = [(stream.requests.get(o.response.request_id), o) for o in message.outputs]
+                for target, output in targets:
                     if target is not None:
                         target.put(output)
             lost = OutputsLost(grpc.StatusCode.UNAVAILABLE, f"{key[0]} ended its Outputs stream (draining)")

@@ -96,6 +96,20 @@ class Piece:
     response: pb.GenerateResponse
 
 
+async def pieces(queue: asyncio.Queue[Piece | ApiError | None], num_calls: int) -> AsyncGenerator[Piece, None]:
+    """The pieces `num_calls` calls put on `queue` until each has put None (its end); the first
+    ApiError ends the iteration by raising it."""
+    remaining = num_calls
+    while remaining:
+        item = await queue.get()
+        if item is None:
+            remaining -= 1
+        elif isinstance(item, ApiError):
+            raise item
+        else:
+            yield item
+
+
 class RouterBackend:
     def __init__(self, target: str, api_key: str = "") -> None:
         self._target = target
@@ -154,15 +168,8 @@ class RouterBackend:
 
         tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
         try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, ApiError):
-                    raise item
-                else:
-                    yield item
+            async for piece in pieces(queue, len(tasks)):
+                yield piece
         finally:
             for call in calls:
                 call.cancel()

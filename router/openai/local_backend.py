@@ -24,7 +24,7 @@ import grpc
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.local_call import LocalContext
-from vllm_cluster.router.openai.backend import RETRY_AFTER_S, ROUTER_DOWN, Piece, api_error
+from vllm_cluster.router.openai.backend import RETRY_AFTER_S, ROUTER_DOWN, Piece, api_error, pieces
 from vllm_cluster.router.openai.errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -64,15 +64,8 @@ class LocalBackend:
             threading.Thread(target=self._run, args=(index, msg, context, loop, queue.put_nowait),
                              name="http-generate", daemon=True).start()
         try:
-            remaining = len(requests)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, ApiError):
-                    raise item
-                else:
-                    yield item
+            async for piece in pieces(queue, len(requests)):
+                yield piece
         finally:
             for context in contexts:
                 context.cancel()  # no-op for a call that has ended
