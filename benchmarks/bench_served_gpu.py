@@ -56,8 +56,8 @@ def offline(args: argparse.Namespace, tmp: Path) -> float:
     path = tmp / "offline.yaml"
     path.write_text(yaml.safe_dump(engine_section(args, 1)))
     out = tmp / "offline.json"
-    subprocess.run([*CLI, "bench", "throughput", "--config", str(path), *workload(args), "--output-json", str(out)],
-                   check=True)
+    subprocess.run([*CLI, "bench", "throughput", "--config", str(path), *workload(args), "--num-warmups", "8",
+                    "--output-json", str(out)], check=True)  # the same warm-ups as the served runs
     return float(json.loads(out.read_text())["output_tokens_per_second"])
 
 

@@ -57,6 +57,9 @@ def add_bench_parser(sub: Any) -> None:
     throughput.add_argument("--output-json", default=None)
     _dataset_args(throughput)
     throughput.add_argument("--seed", type=int, default=0)
+    throughput.add_argument("--num-warmups", type=int, default=0,
+                            help="the first N requests also run once, untimed, before the timed run (the kernels "
+                            "a fresh process compiles on first use)")
 
 
 def _target_args(p: argparse.ArgumentParser) -> None:
@@ -305,6 +308,8 @@ def _throughput(args: argparse.Namespace) -> int:
     requests = load_requests(args)
     prompts = [r.prompt for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    if args.num_warmups > 0:
+        llm.generate(prompts[: args.num_warmups], params[: args.num_warmups], use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -174,7 +174,7 @@ class OpenAITarget:
                     if chunk.get("usage"):
                         result.output_len = chunk["usage"]["completion_tokens"]
                         result.prompt_len = chunk["usage"]["prompt_tokens"]
-                    if _has_text(chunk, self._chat):
+                    if _is_piece(chunk, self._chat):
                         num_pieces += 1
                         if result.ttft_s == 0.0:
                             result.ttft_s = now - sent
@@ -193,9 +193,13 @@ class OpenAITarget:
         return result
 
 
-def _has_text(chunk: dict[str, Any], chat: bool) -> bool:
+def _is_piece(chunk: dict[str, Any], chat: bool) -> bool:
+    """A streamed piece of output. Completions: any choice, as vLLM's `bench serve` counts them
+    (its text may be empty: a special token, or a model served without a tokenizer). Chat: a
+    delta with content (the first chunk, the role alone, comes before any token)."""
     for choice in chunk.get("choices") or []:
-        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-        if text:
+        if chat and (choice.get("delta") or {}).get("content"):
+            return True
+        if not chat and "text" in choice:
             return True
     return False
