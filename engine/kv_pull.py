@@ -4,9 +4,10 @@ Lifecycle of one pull (router/pull.py drives it, worker/kv_pull.py serves both e
 functions here are the engine's part and run on its thread, through `EngineLoop.call`):
   1. The router reserves on the target instance T as for any request (T's receiver expects
      every block after those T already holds, `num_cached_tokens`).
-  2. The prefix index says another instance H holds more of the prompt's leading blocks,
-     and `router.pull.plan_pull` finds moving them cheaper than computing them (their
-     bytes over the link against their tokens at the recompute rate).
+  2. The prefix index says another instance H holds more of the prompt's leading blocks
+     (in its device cache, host tier or disk tier), and `router.pull.plan_pull` finds
+     moving them cheaper than computing them (their bytes over the link, plus a load for a
+     block in a tier, against their tokens at the recompute rate).
   3. The router calls `PushCached` on H with those blocks' hashes and T's reservation. H
      `pin_prefix`es them: a reference on each leading block in its device cache, and for
      each one held only in its host or disk tier, a free device block the tier's load path
