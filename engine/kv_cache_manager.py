@@ -29,7 +29,7 @@ from vllm_cluster.engine.block_pool import BlockId, BlockPool
 from vllm_cluster.engine.request import Request, RequestId
 
 if TYPE_CHECKING:
-    from vllm_cluster.engine.kv_offload import KVOffload
+    from vllm_cluster.engine.kv_offload import KVOffload, Tier
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,27 +113,41 @@ class KVCacheManager:
         like any device hit). Never evicts `prefix` itself; uses only free blocks, one left over."""
         assert self.offload is not None
         block_hashes = request.block_hashes[len(prefix) : max_blocks]
-        num_found = len(self.offload.find(block_hashes))
         num_free = self.pool.num_free_blocks - sum(1 for b in prefix if self.pool.blocks[b].ref_cnt == 0)
         # Leave a block for the tokens after the hit (at least one is computed): loading into
         # every free block would only make a request that cannot start yet, and the blocks be
         # evicted again before it does.
-        num_blocks = min(num_found, num_free - 1)
-        if num_blocks <= 0:
+        if num_free - 1 <= 0 or not self.offload.find(block_hashes[:1]):
             return []
         self.pool.touch(prefix)  # off the free list while blocks are taken from it
+        loaded, tiers = self.load_from_tiers(block_hashes, num_free - 1)
+        # Freed in the order to evict them: the loaded suffix, then the prefix.
+        self.pool.free(reversed(loaded))
+        self.pool.free(reversed(prefix))
+        hits = self._tier_hits.setdefault(request.request_id, {})
+        for block_hash, tier in zip(block_hashes, tiers, strict=False):
+            hits[block_hash] = tier.value
+        return loaded
+
+    def load_from_tiers(self, block_hashes: list[BlockHash], max_num_blocks: int) -> tuple[list[BlockId], list[Tier]]:
+        """Load the leading `block_hashes` held in the offload tiers, at most `max_num_blocks`
+        (<= the free blocks), into free device blocks and cache them there. Returns the loaded
+        blocks, each holding one reference the caller frees, and the tier each came from. The
+        run stops at the first hash in no tier or that fails to load (a corrupt disk file)."""
+        assert self.offload is not None
+        num_blocks = min(len(self.offload.find(block_hashes)), max_num_blocks)
+        if num_blocks <= 0:
+            return [], []
         new_ids = self.pool.allocate(num_blocks)  # may evict: into the tiers, before the load
-        tiers = self.offload.load(block_hashes[:num_blocks], [int(b) for b in new_ids])
+        try:
+            tiers = self.offload.load(block_hashes[:num_blocks], [int(b) for b in new_ids])
+        except BaseException:
+            self.pool.free(new_ids)
+            raise
         num_loaded = len(tiers)
         self.pool.cache_blocks(new_ids[:num_loaded], block_hashes[:num_loaded])
-        # Freed in the order to evict them: the unused ones, then the loaded suffix, the prefix last.
-        self.pool.free(new_ids[num_loaded:])
-        self.pool.free(reversed(new_ids[:num_loaded]))
-        self.pool.free(reversed(prefix))
-        loaded = self._tier_hits.setdefault(request.request_id, {})
-        for block_hash, tier in zip(block_hashes, tiers, strict=False):
-            loaded[block_hash] = tier.value
-        return new_ids[:num_loaded]
+        self.pool.free(new_ids[num_loaded:])  # the unused ones: evicted first
+        return new_ids[:num_loaded], tiers
 
     def record_prefix_lookup(self, num_tokens: int, num_hits: int, request: Request | None = None) -> None:
         """Count one admitted request's lookup (not every attempt that found no room);

@@ -4,15 +4,20 @@ a pull is in engine/kv_pull.py.
 
 Holder, one `PushCached` call:
   1. Check the reservation's KV layout against ours (a mismatch pushes nothing).
-  2. Pin the leading asked blocks still in the device cache (engine thread).
+  2. Pin the leading asked blocks still held here (engine thread): those in the device
+     cache as they are, those only in the host or disk tier loaded into free device blocks
+     first (engine/kv_pull.py `pin_prefix`).
   3. Push every layer of them into the target's reserved blocks, after the blocks it
      already holds; wait for the sends (up to the call's timeout).
   4. Unpin, always; count the pull; answer how many blocks went (0 when a send failed:
      the router then has the target compute them).
+A pin that outlives the call's wait for the engine thread (a step stuck that long) is undone
+by a command queued right behind it, so no block stays pinned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -23,7 +28,14 @@ import torch
 
 from vllm_cluster.engine.engine_core import EngineCore
 from vllm_cluster.engine.engine_loop import EngineLoop
-from vllm_cluster.engine.kv_pull import cache_pulled, pin_cached_prefix, reserved_blocks, transferring_request, unpin
+from vllm_cluster.engine.kv_pull import (
+    PinnedPrefix,
+    cache_pulled,
+    pin_prefix,
+    reserved_blocks,
+    transferring_request,
+    unpin,
+)
 from vllm_cluster.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, TransferStatus
 from vllm_cluster.metrics import InstanceMetrics
 from vllm_cluster.proto import cluster_pb2 as pb
@@ -52,8 +64,11 @@ class KVPullServicer(pb_grpc.KVPullServicer):
             self._metrics.observe_pull(0, 0, 0.0, ok=False)
             return pb.PushCachedResponse(error="KV layout mismatch: " + "; ".join(mismatches))
         start = time.monotonic()
-        block_ids = self._loop.call(lambda core: pin_cached_prefix(core.kv.pool, list(msg.block_hashes)))
+        pinned = self._pin(list(msg.block_hashes), msg.timeout_s or 30.0)
+        block_ids = pinned.block_ids
         try:
+            if pinned.ready is not None:
+                pinned.ready.synchronize()  # the tier loads have landed in the device blocks
             error = self._push(msg, block_ids)
         finally:
             self._loop.call(lambda core: unpin(core.kv.pool, block_ids))
@@ -61,8 +76,29 @@ class KVPullServicer(pb_grpc.KVPullServicer):
         num_pushed = 0 if error else len(block_ids)
         self._metrics.observe_pull(num_pushed, num_pushed * self._block_bytes, seconds, ok=not error)
         if not error and len(block_ids) < len(msg.block_hashes):
-            error = f"{len(msg.block_hashes) - len(block_ids)} of the asked blocks are no longer cached here"
+            error = f"{len(msg.block_hashes) - len(block_ids)} of the asked blocks are no longer held here"
         return pb.PushCachedResponse(num_blocks_pushed=num_pushed, error=error)
+
+    def _pin(self, block_hashes: list[bytes], timeout_s: float) -> PinnedPrefix:
+        """`pin_prefix` on the engine thread; nothing pinned when it does not answer in time
+        (whatever it pins later is unpinned by the next command)."""
+        result: list[PinnedPrefix] = []
+
+        def pin(core: EngineCore) -> PinnedPrefix:
+            result.append(pin_prefix(core.kv, block_hashes))
+            return result[0]
+
+        def release(core: EngineCore) -> None:
+            if result:
+                unpin(core.kv.pool, result[0].block_ids)
+
+        try:
+            return self._loop.call(pin, timeout_s)
+        except TimeoutError:
+            logger.warning("the engine did not pin a pull's blocks within %.1fs; pushing none", timeout_s)
+            with contextlib.suppress(TimeoutError):
+                self._loop.call(release, timeout_s=0)  # queued behind the pin: runs after it
+            return PinnedPrefix()
 
     def sender(self) -> KVSender:
         with self._lock:

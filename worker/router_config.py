@@ -76,8 +76,9 @@ class RouterConfig:
     prefix_weight_load: float = 1.0
     # Cross-instance KV reuse (docs/kv_tiers.md): a request whose instance lacks a prefix that
     # another instance holds pulls those blocks from it when moving them is cheaper than
-    # computing them: blocks x bytes / kv_pull_link_gib_s + kv_pull_setup_s against their tokens
-    # at kv_pull_recompute_tokens_s. Needs the prefix index (Redis).
+    # computing them: blocks x bytes / kv_pull_link_gib_s + kv_pull_setup_s (+ a load for each
+    # block the holder keeps in its host or disk tier, priced as prefix-aware routing prices a
+    # tier hit) against their tokens at kv_pull_recompute_tokens_s. Needs the prefix index (Redis).
     kv_pull: bool = False
     kv_pull_link_gib_s: float = 1.0
     kv_pull_recompute_tokens_s: float = 2000.0

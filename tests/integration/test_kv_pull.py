@@ -1,8 +1,9 @@
 """Cross-instance KV reuse on a real cluster (router, embedded Redis, two decode instances
 over UCX): a request sent to the instance lacking its prefix pulls the prefix from the
 instance holding it and answers the same tokens as without; with the holder stopped, the
-pull fails and the prompt is computed, with the same tokens again. Every block comes back
-on both sides afterwards."""
+pull fails and the prompt is computed, with the same tokens again; with the holder's prefix
+evicted to its host tier, the holder loads it from there and pushes it. Every block comes
+back on both sides afterwards."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).with_name("kv_pull_cluster.yaml")
 PREFIX = "A shared preamble about the lighthouses of the northern coast and their keepers. " * 12
 OTHER = "Another preamble, this one about the rivers of the southern plains and their fish. " * 12
+THIRD = "A third preamble, on the mountain passes of the western range and their guides. " * 12
 
 
 @pytest.fixture(scope="module")
@@ -110,4 +112,43 @@ def test_a_stopped_holder_means_the_prompt_is_computed(cluster: LocalCluster, cl
         os.kill(pid, signal.SIGCONT)
     assert timings.num_kv_blocks_pulled == 0
     assert tokens == _expected(smollm2, second)
+    assert_blocks_return(cluster)
+
+
+def _tier_loads(cluster: LocalCluster, process: str) -> float:
+    """Blocks `process` has loaded from its host tier so far."""
+    with urllib.request.urlopen(cluster.metrics_addresses[process] + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm_cluster:kv_offload_loaded_blocks_total{") and 'tier="host"' in line)
+
+
+def _served(cluster: LocalCluster, client: Client, text: str) -> int:
+    """Ask `text`; the decode instance that computed it."""
+    before = _queries(cluster)
+    _ask(client, text)
+    return next(i for i, (a, b) in enumerate(zip(before, _queries(cluster), strict=True)) if b > a)
+
+
+def test_a_prefix_in_the_holders_host_tier_is_pulled(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    first, second = THIRD + "Question: which pass is highest?", THIRD + "Question: who guides there?"
+    holder = _served(cluster, client, first)
+    # Long prompts of their own, sent in turn, until the holder has computed two (each more
+    # than half its 48-block device cache) and the next request goes to the other instance:
+    # the holder's device cache has evicted the prefix into its host tier.
+    num_fillers = turn = 0
+    while num_fillers < 2 or turn != holder:
+        filler = f"Filler {turn}-{num_fillers}. " + " ".join(
+            f"Line {j}: the tide tables of harbour {j} in year {1900 + num_fillers}." for j in range(18))
+        turn = _served(cluster, client, filler)
+        num_fillers += turn == holder
+    _published()
+    name = f"decode-{holder}"
+    loads_before = _tier_loads(cluster, name)
+    tokens, timings = _ask(client, second)  # sent to the other instance, which pulls the prefix
+    assert tokens == _expected(smollm2, second)
+    num_prefix_blocks = len(smollm2.get_tokenizer().encode(THIRD)) // 16
+    assert timings.num_kv_blocks_pulled >= num_prefix_blocks - 1
+    # Every pulled block came out of the holder's host tier.
+    assert _tier_loads(cluster, name) - loads_before == timings.num_kv_blocks_pulled
     assert_blocks_return(cluster)
