@@ -93,6 +93,9 @@ def scale_main(args: argparse.Namespace) -> int:
         print(f"error: the router at {state.router_address} did not answer: {e.code().name} {e.details()}; "
               "`vllm-cluster status` shows whether it runs", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: `vllm-cluster status` shows the pools as they are now", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -159,6 +162,9 @@ class PoolScaler:
         except (ClusterStartError, ray.exceptions.RayError) as e:
             cluster.stop()
             raise ScaleError(f"could not place {[p.name for p in change.add]}: {e}") from e
+        except KeyboardInterrupt:  # Ctrl-C in `vllm-cluster scale`: its detached actors must not stay
+            cluster.abandon()
+            raise
         self._placed.append(cluster)
         at = next((i for i, r in enumerate(self.state.processes) if r.role == "router"), len(self.state.processes))
         self.state.processes[at:at] = cluster.records
