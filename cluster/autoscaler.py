@@ -12,12 +12,18 @@ instances owned by that process), or as `vllm-cluster autoscale` beside a cluste
      round until it serves; draining one, until it is empty and stopped).
 A failed round (router unreachable, an instance that would not start) is logged, and the
 next round tries again.
+
+`stop()` ends the rounds in a bounded time whatever they are doing: a placement under way
+gives up and takes away what it placed, a drain is cut short (cluster/scale.py). The
+command stops on SIGINT or SIGTERM, even when it was started with SIGINT ignored (a
+background job of a non-interactive shell, as in CI, inherits that).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -30,7 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_cluster.cluster.autoscaler_config import AutoscalerConfig
 from vllm_cluster.cluster.autoscaler_policy import Observation, decide, window_p99_ms
 from vllm_cluster.cluster.config_file import load_deployment
-from vllm_cluster.cluster.scale import PoolScaler, ScaleError, pool_sizes
+from vllm_cluster.cluster.procs import stop_on_signals
+from vllm_cluster.cluster.scale import PoolScaler, ScaleError, ScaleStopped, pool_sizes
 from vllm_cluster.cluster.status import find_state
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.proto import cluster_pb2 as pb
@@ -42,6 +49,9 @@ logger = logging.getLogger(__name__)
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 _TIMEOUT_S = 10.0
+# After a stop request, a step in flight has ended within this much more than the
+# router's drain grace (a shrink's worker drains that long; the rest takes seconds).
+_STOP_SLACK_S = 60.0
 
 Buckets = dict[float, float]  # a histogram's upper bounds (s) -> cumulative counts
 
@@ -61,15 +71,22 @@ class Autoscaler:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """End the rounds; a step in flight ends early (the module docstring). Returns whether
+        the autoscaler's thread ended in time."""
         self._stopped.set()
-        if self._thread is not None:
-            self._thread.join(timeout=300)  # a placement or drain in progress ends first
+        self.scaler.stopping.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout=self.scaler.deployment.router.drain_grace_s + _STOP_SLACK_S)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while not self._stopped.wait(self.config.interval_s):
             try:
                 self.step()
+            except ScaleStopped as e:
+                logger.info("autoscaler: %s", e)
             except grpc.RpcError as e:
                 logger.warning("autoscaler: the router did not answer (%s: %s); trying again in %g s",
                                e.code().name, e.details(), self.config.interval_s)
@@ -139,15 +156,28 @@ def autoscale_main(args: argparse.Namespace) -> int:
         return 1
     from vllm_cluster.cluster.ray_head import connect
 
-    connect(state.ray_address, state.ray_namespace, local=state.ray_head is not None)
-    autoscaler = Autoscaler(deployment.autoscaler, PoolScaler(deployment, state, path, detached=True)).start()
-    print(f"autoscaling cluster {state.name!r} every {deployment.autoscaler.interval_s:g} s; Ctrl-C stops it",
-          flush=True)
+    autoscaler: Autoscaler | None = None
+    stop_on_signals()
     try:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        connect(state.ray_address, state.ray_namespace, local=state.ray_head is not None)
+        stop_on_signals()  # again: ray.init may take SIGTERM
+        autoscaler = Autoscaler(deployment.autoscaler, PoolScaler(deployment, state, path, detached=True)).start()
+        print(f"autoscaling cluster {state.name!r} every {deployment.autoscaler.interval_s:g} s; Ctrl-C stops it",
+              flush=True)
         while True:
             signal.pause()
     except KeyboardInterrupt:
         pass
-    autoscaler.stop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the stop short
+        signal.signal(sig, signal.SIG_IGN)
+    print("stopping ...", flush=True)
+    if autoscaler is not None and not autoscaler.stop():
+        print("error: the autoscaler's step in flight did not end; leaving it (`vllm-cluster status` shows the "
+              "pools)", file=sys.stderr, flush=True)
+        os._exit(1)  # Ray's exit handler would wait for that step
+    import ray
+
+    ray.shutdown()  # only this driver: the cluster's detached actors and its head stay
+    print("stopped", flush=True)
     return 0
+

@@ -7,6 +7,10 @@ ended through `terminate` / `wait_gone` that is a child of this one is collected
 a long-lived parent holding a `subprocess.Popen` collects it the moment it exits with
 `reap_when_done` (a thread waiting on that one pid: it takes no other child's status, as a
 SIGCHLD handler calling waitpid(-1) would).
+
+Stopping: a long-running command (`up`, `autoscale`) stops on SIGINT and SIGTERM through
+`stop_on_signals`, also when it came in with SIGINT ignored: a background job of a
+non-interactive shell (a CI script's `&`) inherits that, and Python keeps it.
 """
 
 from __future__ import annotations
@@ -102,3 +106,9 @@ def _reap(ref: ProcessRef) -> None:
         return
     with contextlib.suppress(ChildProcessError):  # a Popen's own wait got there first
         os.waitpid(ref.pid, os.WNOHANG)
+
+
+def stop_on_signals() -> None:
+    """From now on SIGINT and SIGTERM raise KeyboardInterrupt in the main thread."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)

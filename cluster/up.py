@@ -38,7 +38,7 @@ from vllm_cluster.cluster.layout import (
     listen_ports,
     plan_instances,
 )
-from vllm_cluster.cluster.procs import ProcessRef, terminate
+from vllm_cluster.cluster.procs import ProcessRef, stop_on_signals, terminate
 from vllm_cluster.cluster.state import ClusterState, state_path
 from vllm_cluster.engine.errors import ConfigError
 
@@ -99,7 +99,7 @@ class _Up:
             use_local_ray()  # before Ray's first import: it reads some settings only then
         from vllm_cluster.cluster.ray_cluster import ClusterStartError, RayCluster
 
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
+        stop_on_signals()  # SIGTERM stops it like Ctrl-C (procs.stop_on_signals)
         for private in (self.path.parent, self.log_dir):  # the token; resolved configs may hold the API key
             private.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
@@ -107,7 +107,7 @@ class _Up:
         except (ConfigError, RuntimeError, ConnectionError) as e:
             self._stop_ray()
             return _fail(str(e), 2 if isinstance(e, ConfigError) else 1)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # again: ray.init may take it
+        stop_on_signals()  # again: ray.init may take SIGTERM
         api_key = self.deployment.router.api_key or os.environ.get(API_KEY_ENV, "")
         cluster = RayCluster(self.deployment, self.plans, self.log_dir, self.namespace,
                              detached=self.args.detach, api_key=api_key)
@@ -287,3 +287,4 @@ def _print_connect(state: ClusterState, deployment: Deployment) -> None:
 def _fail(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
+
