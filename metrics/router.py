@@ -18,6 +18,8 @@ names (tokens, successes) under their own role.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm_cluster.metrics import buckets
@@ -69,6 +71,15 @@ class RouterMetrics:
             "vllm_cluster:num_requests_in_flight", "Requests inside the router's Generate.")
         self.num_reservations_waiting = self._gauge(
             "vllm_cluster:num_reservations_waiting", "Requests holding a decode reservation, Decode not yet started.")
+
+    def watch_pull_cost(self, link_bytes_per_s: Callable[[], float], prompt_tokens_per_s: Callable[[], float]) -> None:
+        """The cross-instance pull's cost model as measured (router/pull_cost.py), read at scrape time."""
+        self._gauge("vllm_cluster:kv_pull_link_bytes_per_second",
+                    "Measured KV bandwidth of cross-instance pulls (starts at router.kv_pull_link_gib_s).",
+                    ).set_function(link_bytes_per_s)
+        self._gauge("vllm_cluster:kv_pull_recompute_tokens_per_second",
+                    "Measured prompt tokens per second of prefill (starts at router.kv_pull_recompute_tokens_s).",
+                    ).set_function(prompt_tokens_per_s)
 
     def start_request(self, arrival: float) -> RequestMetrics:
         self.num_requests_in_flight.inc()

@@ -14,8 +14,10 @@ nothing" (the target then computes those tokens, as it would have without the pu
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,6 +27,9 @@ from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.policy import PrefixWeights
 from vllm_cluster.router.registry import Instance, Registry
+
+if TYPE_CHECKING:
+    from vllm_cluster.router.pull_cost import MeasuredPullCost
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +137,13 @@ def plan_pull(
 
 class Puller:
     def __init__(
-        self, registry: Registry, prefix_index: PrefixIndex | None, block_size: int, cost: PullCost, timeout_s: float
+        self, registry: Registry, prefix_index: PrefixIndex | None, block_size: int, cost: MeasuredPullCost,
+        timeout_s: float,
     ) -> None:
         self._registry = registry
         self._prefix_index = prefix_index
         self._block_size = block_size
-        self._cost = cost
+        self.cost = cost  # the servicer feeds it the prefill replies' rates
         self._timeout_s = timeout_s
 
     def pull(
@@ -154,8 +160,9 @@ class Puller:
             return 0
         overlap = overlap or self._prefix_index.tier_overlap(hashes)
         holders = {i.index_id: i for i in self._registry.instances.values() if i.healthy}
+        num_block_bytes = block_bytes(reservation)
         plan = plan_pull(overlap, target.index_id, set(holders), len(request.prompt_token_ids), self._block_size,
-                         reservation.num_cached_tokens, block_bytes(reservation), self._cost)
+                         reservation.num_cached_tokens, num_block_bytes, self.cost.current())
         if plan is None:
             return 0
         holder = holders[plan.holder_id]
@@ -163,6 +170,7 @@ class Puller:
             block_hashes=hashes[plan.num_skip_blocks : plan.num_skip_blocks + plan.num_blocks],
             reservation=reservation, num_skip_blocks=plan.num_skip_blocks, timeout_s=self._timeout_s,
         )
+        start = time.monotonic()
         try:
             reply = pb_grpc.KVPullStub(holder.channel).PushCached(asked, timeout=self._timeout_s + 1.0)
         except grpc.RpcError as e:
@@ -172,4 +180,7 @@ class Puller:
         if reply.error:
             logger.warning("%s: pull from %s pushed %d of %d blocks (%s)", request.request_id, holder.name,
                            reply.num_blocks_pushed, plan.num_blocks, reply.error)
-        return min(reply.num_blocks_pushed, plan.num_blocks)
+        num_pushed = min(reply.num_blocks_pushed, plan.num_blocks)
+        if num_pushed and not reply.error:
+            self.cost.observe_pull(num_pushed * num_block_bytes, time.monotonic() - start)
+        return num_pushed

@@ -50,6 +50,7 @@ from vllm_cluster.router.placement import Placement
 from vllm_cluster.router.policy import should_skip_prefill
 from vllm_cluster.router.prompts import prepare
 from vllm_cluster.router.pull import PullCost, Puller
+from vllm_cluster.router.pull_cost import MeasuredPullCost
 from vllm_cluster.router.registry import Registry
 from vllm_cluster.worker.router_config import RouterConfig
 from vllm_cluster.worker.rpc import StreamSlots
@@ -73,9 +74,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self._config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(model_name, max_model_len)
         self._placement = Placement(config, registry, block_size, prefix_index)
-        self._puller = Puller(registry, prefix_index, block_size, PullCost(
+        self._puller = Puller(registry, prefix_index, block_size, MeasuredPullCost(PullCost(
             config.kv_pull_link_gib_s * 2**30, config.kv_pull_recompute_tokens_s, config.kv_pull_setup_s,
-        ), config.kv_pull_timeout_s) if config.kv_pull and prefix_index is not None else None
+        )), config.kv_pull_timeout_s) if config.kv_pull and prefix_index is not None else None
+        if self._puller is not None:
+            cost = self._puller.cost
+            self.metrics.watch_pull_cost(lambda: cost.link_bytes_per_s, lambda: cost.recompute_tokens_per_s)
         self._registry = registry
         self.loras = LoRAAdapters(registry)
         self._tokenizer = tokenizer
@@ -283,6 +287,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             self._registry.release(instance)
         timings.prefill_queue_s = reply.queue_s
         timings.prefill_compute_s = reply.compute_s
+        if self._puller is not None:  # what a pull saves: this prefill's prompt rate
+            self._puller.cost.observe_prompt(num_prompt - reply.num_cached_tokens, reply.compute_s)
         timings.transfer_s = reply.transfer_s
         timings.num_kv_blocks_sent = reply.num_blocks_sent
         timings.prefill_cached_tokens = reply.num_cached_tokens

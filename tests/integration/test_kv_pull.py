@@ -94,6 +94,8 @@ def test_the_instance_lacking_a_prefix_pulls_it(cluster: LocalCluster, client: C
     assert sum(_metric(cluster, name, "vllm_cluster:kv_pull_blocks_total") for name in _decodes(cluster)) == (
         timings.num_kv_blocks_pulled
     )
+    # The router timed the pull: its bandwidth estimate moved off the configured 1 GiB/s.
+    assert _metric(cluster, "router", "vllm_cluster:kv_pull_link_bytes_per_second") not in (0.0, float(2**30))
     assert_blocks_return(cluster)
 
 
