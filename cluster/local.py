@@ -31,17 +31,6 @@ from vllm_cluster.cluster.procs import reap_when_done
 from vllm_cluster.kv_index.redis_server import EmbeddedRedis, start_embedded_redis
 from vllm_cluster.worker.rpc import API_KEY_ENV, REDIS_URL_ENV, TOKEN_ENV
 
-# How instances sharing one GPU split its memory, where the YAML sizes no KV cache: a decode
-# instance holds every running sequence's KV for its whole generation, a prefill instance a
-# prompt's only while it computes and pushes it (and its prefix cache).
-PREFILL_WEIGHT, DECODE_WEIGHT = 1, 2
-
-
-def gpu_shares(num_prefill: int, num_decode: int) -> tuple[float, float]:
-    """Each prefill and each decode instance's share of the one GPU they all share."""
-    total = num_prefill * PREFILL_WEIGHT + num_decode * DECODE_WEIGHT
-    return PREFILL_WEIGHT / total, DECODE_WEIGHT / total
-
 
 @dataclass
 class _Process:
@@ -178,8 +167,7 @@ class LocalCluster:
             if self.config.num_threads is not None:
                 cmd += ["--num-threads", str(self.config.num_threads)]
             # Every instance of a local cluster runs on this machine's GPU(s).
-            prefill_share, decode_share = gpu_shares(self.config.num_prefill, self.config.num_decode)
-            cmd += ["--gpu-share", str(prefill_share if module == "prefill_service" else decode_share)]
+            cmd += ["--instances-per-gpu", str(self.config.num_prefill + self.config.num_decode)]
             if self.config.kv_faults and module == "prefill_service":
                 cmd += ["--kv-faults", self.config.kv_faults]
         cmd += extra or []

@@ -35,10 +35,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default="ucx", choices=["ucx", "nccl", "cuda_ipc"])
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (overrides the config)")
-    parser.add_argument("--gpu-share", type=float, default=1.0,
-                        help="this instance's share of a GPU it shares with others (cluster/local.py's "
-                             "gpu_shares): where the config sets no KV cache size, it takes this share of the "
-                             "default gpu_memory_utilization")
+    parser.add_argument("--instances-per-gpu", type=int, default=1,
+                        help="instances sharing this GPU: where the config sets no KV cache size, each takes "
+                             "this share of the default gpu_memory_utilization")
     parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV, ""),
                         help=f"publish prefix-cache block events to this Redis (empty: don't; default "
                              f"${REDIS_URL_ENV}: a password stays out of `ps`)")
@@ -60,19 +59,19 @@ def build_engine(args: argparse.Namespace, role: EngineRole) -> tuple[EngineCore
     config = EngineConfig.from_yaml(args.config).with_overrides(role=role)
     if args.num_threads is not None:
         config = config.with_overrides(num_threads=args.num_threads)
-    config = share_gpu(config, args.gpu_share)
+    config = share_gpu(config, args.instances_per_gpu)
     core = EngineCore(config)
     path = core.source.tokenizer_path
     return core, (load_tokenizer(path) if path is not None else None)
 
 
-def share_gpu(config: EngineConfig, share: float) -> EngineConfig:
-    """On CUDA, with no KV cache size in `config`: `share` of the default utilization (the
-    shares of the instances on one GPU add up to at most 1)."""
-    if share >= 1.0 or config.cache.size_given or resolve_device(config.device).type != "cuda":
+def share_gpu(config: EngineConfig, instances_per_gpu: int) -> EngineConfig:
+    """On CUDA, with no KV cache size in `config`: the default utilization split evenly
+    between the instances sharing the GPU (their fractions must add up to at most 1)."""
+    if instances_per_gpu <= 1 or config.cache.size_given or resolve_device(config.device).type != "cuda":
         return config
     assert CUDA_DEFAULTS.gpu_memory_utilization is not None
-    return config.with_overrides(gpu_memory_utilization=CUDA_DEFAULTS.gpu_memory_utilization * share)
+    return config.with_overrides(gpu_memory_utilization=CUDA_DEFAULTS.gpu_memory_utilization / instances_per_gpu)
 
 
 def cluster_token() -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_cluster.cluster.local import gpu_shares
 from vllm_cluster.engine import memory
 from vllm_cluster.engine.config import EngineConfig
 from vllm_cluster.engine.errors import ConfigError
@@ -113,14 +112,6 @@ def test_a_share_too_small_for_the_weights_says_so(monkeypatch: pytest.MonkeyPat
 
 def test_share_gpu_splits_the_default_only_where_nothing_is_set() -> None:
     unset = EngineConfig.from_kwargs("m", device="cpu")
-    assert share_gpu(unset, 0.5) is unset  # CPU: nothing to split
+    assert share_gpu(unset, 2) is unset  # CPU: nothing to split
     sized = EngineConfig.from_kwargs("m", device="cpu", num_blocks=64)
-    assert share_gpu(sized, 0.5) is sized
-
-
-def test_decode_instances_take_the_larger_share_of_a_shared_gpu() -> None:
-    assert gpu_shares(0, 1) == (0.5, 1.0)  # alone: the whole default
-    prefill, decode = gpu_shares(1, 1)
-    assert decode == 2 * prefill and prefill + decode == pytest.approx(1.0)
-    prefill, decode = gpu_shares(2, 3)
-    assert 2 * prefill + 3 * decode == pytest.approx(1.0) and decode > prefill
+    assert share_gpu(sized, 2) is sized
