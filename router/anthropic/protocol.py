@@ -9,11 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm_cluster.router.openai import field_types as ft
 from vllm_cluster.router.openai.errors import ApiError, lone_surrogate
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type is refused, not converted, as on the OpenAI routes.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Body(_Model):
@@ -38,7 +40,7 @@ class ContentBlockParam(_Model):
     call), `tool_result` (tool_use_id, content, is_error: the user's answer to a call),
     `thinking` / `redacted_thinking` (an earlier turn's reasoning, not shown to the model again)."""
 
-    type: str
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -99,12 +101,12 @@ class CountTokensRequest(_Body):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int
+    max_tokens: ft.MaxTokens
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None  # vLLM's extra: reproducible sampling
+    temperature: ft.Temperature | None = None
+    top_p: ft.TopP | None = None
+    top_k: ft.TopK | None = None
+    seed: ft.Seed | None = None  # vLLM's extra: reproducible sampling
     stream: bool = False
     output_config: OutputConfigParam | None = None
     metadata: dict[str, Any] | None = None  # Anthropic's user_id, for the caller's tracking: no effect

@@ -45,6 +45,9 @@ _USER = FieldUse("no_effect", "OpenAI's end-user id, for the caller's own abuse 
 REQUEST_FIELDS: dict[str, FieldUse] = {
     "LoRAAdapterRequest.lora_name": _served("tests/integration/test_lora_serving.py::test_adapters_served_as_offline"),
     "LoRAAdapterRequest.lora_path": _served("tests/integration/test_lora_serving.py::test_adapters_served_as_offline"),
+    "UnloadLoRAAdapterRequest.lora_name": _served(
+        "tests/integration/test_lora_serving.py::test_adapters_served_as_offline"
+    ),
     "StreamOptions.include_usage": _served(_FIELDS_TEST + "test_continuous_usage_stats_put_usage_on_every_chunk"),
     "StreamOptions.continuous_usage_stats": _served(
         _FIELDS_TEST + "test_continuous_usage_stats_put_usage_on_every_chunk"

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from vllm_cluster.router.openai.errors import ErrorResponse
+from vllm_cluster.router.openai.field_types import TOKEN_ID
 
 _WHEN = {
     400: "The request is invalid: the message says what to change, `param` names the field.",
@@ -37,8 +38,11 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"description": _WHEN[status], "content": _ENVELOPE} for status in statuses}
 
 
-def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: bool) -> None:
-    """Make `app.openapi()` (what /openapi.json serves) include the guard's answers."""
+def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: bool, vocab_size: int | None = None,
+             reasoning: bool = False) -> None:
+    """Make `app.openapi()` (what /openapi.json serves) include the guard's answers, and the
+    rules of this server: token ids below `vocab_size` (the tokenizer's, when the server has
+    one), and Anthropic's `thinking` only on a server that splits reasoning out."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -56,6 +60,9 @@ def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: b
             schemas.pop("ValidationError", None)
             envelope = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(envelope.pop("$defs"), ErrorResponse=envelope)
+            _bound_token_ids(doc, vocab_size)
+            if not reasoning and "ThinkingParam" in schemas:
+                schemas["ThinkingParam"]["properties"]["type"] = {"const": "disabled", "type": "string"}
             app.openapi_schema = doc
         return app.openapi_schema
 
@@ -67,3 +74,16 @@ def _own_error_content(responses: dict[str, Any]) -> dict[str, Any]:
     shape, which the guard answers in too), else the envelope."""
     return next((r["content"] for status, r in responses.items() if status.startswith("4") and "content" in r),
                 _ENVELOPE)
+
+
+def _bound_token_ids(node: Any, vocab_size: int | None) -> None:
+    """Each schema marked TOKEN_ID (field_types.py) gets the vocabulary's bound; the marker goes."""
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID, False) and vocab_size is not None:
+            node.pop("exclusiveMaximum", None)
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
