@@ -55,9 +55,20 @@ class MessageParam(_Model):
     content: str | list[ContentBlockParam]
 
 
+def _client_tool_schema(schema: dict[str, Any]) -> None:
+    """What translate.py requires of a tool, stated in the document (the server's own 400s say it
+    in more words than a validation error would): a client tool, an input_schema, a name chat
+    tools accept."""
+    schema["required"] = ["name", "input_schema"]
+    schema["properties"]["type"] = {"anyOf": [{"const": "custom", "type": "string"}, {"type": "null"}]}
+    schema["properties"]["input_schema"] = {"type": "object", "additionalProperties": True}
+    schema["properties"]["name"]["pattern"] = r"^[a-zA-Z0-9_.\-]{1,64}$"
+
+
 class ToolParam(_Model):
     """A client tool: its `input_schema` (JSON Schema) is what the call's input must match."""
 
+    model_config = ConfigDict(json_schema_extra=_client_tool_schema)
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # required of client tools (translate.py says so)
@@ -65,6 +76,10 @@ class ToolParam(_Model):
 
 
 class ToolChoiceParam(_Model):
+    model_config = ConfigDict(json_schema_extra={  # type "tool" names the tool (translate.py refuses it without)
+        "if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+        "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]},
+    })
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # type "tool": the tool to call
     disable_parallel_tool_use: bool | None = None
@@ -92,6 +107,11 @@ class OutputConfigParam(_Model):
 class CountTokensRequest(_Body):
     """What /v1/messages/count_tokens reads: the prompt, as the chat template renders it."""
 
+    model_config = ConfigDict(json_schema_extra={  # tool_choice any or tool needs tools to choose from
+        "if": {"properties": {"tool_choice": {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}},
+                                              "required": ["type"]}}, "required": ["tool_choice"]},
+        "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+    })
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[ContentBlockParam] | None = None

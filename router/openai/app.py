@@ -143,8 +143,8 @@ def build_app(
 
     app.include_router(messages_routes(AnthropicServing(serving), _respond))
     vocab_size = len(serving.tokenizer) if serving.tokenizer is not None else None
-    document(app, _UNGUARDED_PATHS, api_key_required=bool(api_key), vocab_size=vocab_size,
-             reasoning=bool(serving.reasoning_parser))
+    document(app, _UNGUARDED_PATHS, api_key_required=bool(api_key), max_model_len=serving.max_model_len,
+             vocab_size=vocab_size, reasoning=bool(serving.reasoning_parser))
     return Guard(app, api_key, max_request_bytes, body_timeout_s, _UNGUARDED_PATHS, dialects=(DIALECT,))
 
 

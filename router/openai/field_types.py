@@ -1,7 +1,8 @@
 """The value ranges of request fields, as pydantic types: the server refuses a value outside
 them (a 400 naming the field) and /openapi.json states them (`minimum`, `maximum`, ...), so
 that the document and the server agree. Token ids are bounded by the vocabulary, which only
-the running server knows: TOKEN_ID marks their schemas, and openapi.py writes the bound."""
+the running server knows: TOKEN_ID marks their schemas, and openapi.py writes the bound
+(MAX_TOKENS likewise, for the model's context length)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ INT32 = 2**31
 MAX_N = 64  # choices per request; each is its own sequence on a decode instance
 MAX_LOGPROBS = 20
 TOKEN_ID = "x-token-id"  # a schema marker openapi.py replaces with the vocabulary's bound
+MAX_TOKENS = "x-max-tokens"  # and this one with max_model_len - 1 (a prompt has at least one token)
 
 
 def _whole(value: Any) -> Any:
@@ -25,7 +27,8 @@ _WHOLE = BeforeValidator(_whole)
 TokenId = Annotated[int, Field(ge=0, lt=INT32, json_schema_extra={TOKEN_ID: True}), _WHOLE]
 Int32 = Annotated[int, Field(ge=-INT32, lt=INT32), _WHOLE]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63), _WHOLE]
-MaxTokens = Annotated[int, Field(ge=1, lt=INT32), _WHOLE]
+MaxTokens = Annotated[int, Field(ge=1, lt=INT32, json_schema_extra={MAX_TOKENS: True}), _WHOLE]
+CompletionMaxTokens = Annotated[int, Field(ge=0, lt=INT32, json_schema_extra={MAX_TOKENS: True}), _WHOLE]  # 0: echo
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N), _WHOLE]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
 Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]  # 0 means greedy

@@ -101,6 +101,11 @@ REQUEST_FIELDS: dict[str, FieldUse] = {
     "ChatMessage.name": _served(_TOKENIZER),
     "ChatMessage.tool_calls": _served(_TOOLS + "test_tool_results_go_through_the_template"),
     "ChatMessage.tool_call_id": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "ToolCall.id": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "ToolCall.type": _refused(_NOT_SERVED),
+    "ToolCall.function": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "FunctionCall.name": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "FunctionCall.arguments": _served(_TOOLS + "test_tool_results_go_through_the_template"),
     "ChatCompletionRequest.messages": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatCompletionRequest.max_tokens": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatCompletionRequest.max_completion_tokens": _served(

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from vllm_cluster.router.openai.errors import ErrorResponse
-from vllm_cluster.router.openai.field_types import TOKEN_ID
+from vllm_cluster.router.openai.field_types import MAX_TOKENS, TOKEN_ID
 
 _WHEN = {
     400: "The request is invalid: the message says what to change, `param` names the field.",
@@ -38,11 +38,12 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"description": _WHEN[status], "content": _ENVELOPE} for status in statuses}
 
 
-def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: bool, vocab_size: int | None = None,
-             reasoning: bool = False) -> None:
+def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: bool, max_model_len: int,
+             vocab_size: int | None = None, reasoning: bool = False) -> None:
     """Make `app.openapi()` (what /openapi.json serves) include the guard's answers, and the
-    rules of this server: token ids below `vocab_size` (the tokenizer's, when the server has
-    one), and Anthropic's `thinking` only on a server that splits reasoning out."""
+    rules of this server: max_tokens below `max_model_len`, token ids below `vocab_size` (the
+    tokenizer's, when the server has one), and Anthropic's `thinking` only on a server that
+    splits reasoning out."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -60,7 +61,7 @@ def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: b
             schemas.pop("ValidationError", None)
             envelope = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(envelope.pop("$defs"), ErrorResponse=envelope)
-            _bound_token_ids(doc, vocab_size)
+            _bound(doc, {TOKEN_ID: vocab_size - 1 if vocab_size else None, MAX_TOKENS: max_model_len - 1})
             if not reasoning and "ThinkingParam" in schemas:
                 schemas["ThinkingParam"]["properties"]["type"] = {"const": "disabled", "type": "string"}
             app.openapi_schema = doc
@@ -76,14 +77,16 @@ def _own_error_content(responses: dict[str, Any]) -> dict[str, Any]:
                 _ENVELOPE)
 
 
-def _bound_token_ids(node: Any, vocab_size: int | None) -> None:
-    """Each schema marked TOKEN_ID (field_types.py) gets the vocabulary's bound; the marker goes."""
+def _bound(node: Any, maximums: dict[str, int | None]) -> None:
+    """Each schema marked with a key of `maximums` (field_types.py) gets that maximum (None:
+    unknown here, the type's own bound stays); the markers go."""
     if isinstance(node, dict):
-        if node.pop(TOKEN_ID, False) and vocab_size is not None:
-            node.pop("exclusiveMaximum", None)
-            node["maximum"] = vocab_size - 1
+        for marker, maximum in maximums.items():
+            if node.pop(marker, False) and maximum is not None:
+                node.pop("exclusiveMaximum", None)
+                node["maximum"] = maximum
         for value in node.values():
-            _bound_token_ids(value, vocab_size)
+            _bound(value, maximums)
     elif isinstance(node, list):
         for value in node:
-            _bound_token_ids(value, vocab_size)
+            _bound(value, maximums)

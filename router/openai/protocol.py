@@ -18,7 +18,7 @@ from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.openai import field_types as ft
 from vllm_cluster.router.openai.errors import ApiError, bad_request, lone_surrogate
 from vllm_cluster.router.openai.sampling_checks import check_ranges, logits_fields
-from vllm_cluster.router.openai.structured_output import structured_outputs
+from vllm_cluster.router.openai.structured_output import response_format_of, structured_outputs
 from vllm_cluster.router.openai.tools import (
     ToolChoice,
     from_responses_tool_choice,
@@ -185,7 +185,7 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | _TokenIds
              | Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
-    max_tokens: ft.Count | None = 16  # 0 only with echo (echo_only)
+    max_tokens: ft.CompletionMaxTokens | None = 16  # 0 only with echo (echo_only)
     logprobs: ft.NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
@@ -223,11 +223,22 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI's), or the object itself
+
+
+class ToolCall(_Request):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # the participant's name, given to the chat template as vLLM does
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls (tools.py)
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (tools.py)
     tool_call_id: str | None = None  # a tool message: the call whose result it holds
 
     def template_message(self) -> dict[str, Any]:
@@ -236,7 +247,7 @@ class ChatMessage(_Request):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = template_tool_calls(self.tool_calls)
+            message["tool_calls"] = template_tool_calls([call.model_dump() for call in self.tool_calls])
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -307,8 +318,7 @@ class ResponsesInputMessage(_Request):
         if self.type == "function_call":
             if self.call_id is None or self.name is None:
                 raise bad_request("a function_call input item needs call_id, name and arguments", "input")
-            call = {"id": self.call_id, "type": "function",
-                    "function": {"name": self.name, "arguments": self.arguments or "{}"}}
+            call = ToolCall(id=self.call_id, function=FunctionCall(name=self.name, arguments=self.arguments or "{}"))
             return ChatMessage(role="assistant", tool_calls=[call])
         if self.type == "function_call_output":
             if self.call_id is None or self.output is None:
@@ -358,23 +368,6 @@ class ResponsesRequest(_Body):
             response_format=response_format_of(self.text),
             chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None,
         )
-
-
-def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The Responses API's `text.format` as chat's `response_format` (the schema sits in the
-    format itself there, not under `json_schema`)."""
-    if text is None or text.get("format") is None:
-        return None
-    fmt = text["format"]
-    if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
-        raise bad_request("text.format must be an object with type 'text', 'json_object' or 'json_schema'", "text")
-    if fmt.get("type") != "json_schema":
-        return {"type": fmt.get("type", "text")}
-    if not isinstance(fmt.get("schema", {}), dict | bool):
-        raise bad_request('text.format.schema must be a JSON schema object: {"type": "json_schema", "name": ..., '
-                          '"schema": {...}}', "text")
-    schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema", {})}
-    return {"type": "json_schema", "json_schema": schema}
 
 
 class TokenizeRequest(_Body):

@@ -85,13 +85,15 @@ def test_token_ids_past_the_vocabulary_are_refused_at_the_front(
     assert e.value.status == 400 and e.value.param == field and "49152" in e.value.message
 
 
-def test_the_document_bounds_token_ids_by_the_vocabulary_and_thinking_by_the_reasoning_parser(
+def test_the_document_states_the_bounds_only_the_running_server_knows(
     serving: OpenAIServing,
 ) -> None:
     doc = build_app(serving).app.openapi()  # type: ignore[attr-defined]
     schemas = doc["components"]["schemas"]
     tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert tokens["maximum"] == len(serving.tokenizer) - 1 and "exclusiveMaximum" not in tokens
-    assert "x-token-id" not in str(doc)
+    assert "x-token-id" not in str(doc) and "x-max-tokens" not in str(doc)
+    max_tokens = schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+    assert max_tokens["maximum"] == serving.max_model_len - 1  # a prompt has at least one token
     assert schemas["ThinkingParam"]["properties"]["type"]["const"] == "disabled"  # no reasoning parser here
     assert schemas["TokenizeRequest"]["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
