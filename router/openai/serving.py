@@ -158,8 +158,9 @@ class OpenAIServing:
                             "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if body.logprobs else None})
         response = {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
                     "choices": choices, "usage": self._usage(job)}
-        if body.prompt_logprobs is not None:  # vLLM's extra: one prompt, on the response
-            response["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt, job.choices[0].prompt_logprobs)
+        if body.prompt_logprobs is not None:  # vLLM's extra: one prompt (as served: truncated), on the response
+            served = list(job.requests[0].token_ids.ids)
+            response["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, served, job.choices[0].prompt_logprobs)
         return response
 
     def chat_output(self, parser: ToolParser | None, parallel_tool_calls: bool = True) -> ChatOutput:
