@@ -40,7 +40,9 @@ class ContentBlockParam(_Model):
     call), `tool_result` (tool_use_id, content, is_error: the user's answer to a call),
     `thinking` / `redacted_thinking` (an earlier turn's reasoning, not shown to the model again)."""
 
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
+    # The document lists the types served; another (image, document) is refused by translate.py,
+    # with a message saying what to send instead.
+    type: str = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]})
     text: str | None = None
     id: str | None = None
     name: str | None = None

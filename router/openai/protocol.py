@@ -219,8 +219,12 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(_Request):
-    type: Literal["text", "input_text", "output_text"]  # this model reads text only
-    text: str
+    # The document states what ChatMessage.text() reads: a text part, with its text. Another
+    # part is refused there, with a message saying this model reads text only.
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema.update(required=["type", "text"], properties={
+        "type": {"enum": ["text", "input_text", "output_text"], "type": "string"}, "text": {"type": "string"}}))
+    type: str
+    text: str | None = None
 
 
 class FunctionCall(_Request):

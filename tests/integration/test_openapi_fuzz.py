@@ -6,13 +6,17 @@ the router's gRPC API, the bundled tokenizer) in front of the canned-token serve
 a cluster, so that hundreds of generated requests take seconds: validation, errors and
 response shapes are the front's own.
 
-The document states the server's rules (field types, which the server does not convert;
-ranges; token ids below the vocabulary; required and exclusive fields), so the two agree.
-What no schema keyword can state is declared in schemathesis.toml beside this file, for the
-generation routes only: a 400 is an accepted answer to a valid request there, for the rules
-that span fields or the model (prompt plus max_tokens over the context length, min_tokens
-over max_tokens, best_of other than n, a named tool_choice not among tools, a regex the engine
-cannot compile, ...)."""
+The document states the server's rules and the server keeps to them: field types (a value of
+another JSON type is refused, not converted: `"stream": 0` is a 400), ranges, enums and
+patterns, token ids below the tokenizer's vocabulary and max_tokens below the context length
+(both known only to the running server, written into the document by openapi.py), required
+and exclusive fields (oneOf, if/then). What no schema keyword can state is declared in
+schemathesis.toml beside this file, which says which rules and which routes: rules spanning
+fields, the model or its chat template (the prompt plus max_tokens over the context length,
+min_tokens over max_tokens, a tool_choice naming a function not among tools, tool-call
+arguments that are not JSON text, ...). On the routes that have such rules (generation, and
+those rendering the chat template) a 400 answering a valid request is accepted; on the
+others, positive_data_acceptance holds in full."""
 
 from __future__ import annotations
 
