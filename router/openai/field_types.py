@@ -15,6 +15,7 @@ MAX_N = 64  # choices per request; each is its own sequence on a decode instance
 MAX_LOGPROBS = 20
 TOKEN_ID = "x-token-id"  # a schema marker openapi.py replaces with the vocabulary's bound
 MAX_TOKENS = "x-max-tokens"  # and this one with max_model_len - 1 (a prompt has at least one token)
+TOKEN_ID_KEYS = "x-token-id-keys"  # and this one (an object's) with a pattern of its keys: token ids
 
 
 def _whole(value: Any) -> Any:
@@ -40,5 +41,17 @@ TopK = Annotated[int, Field(ge=-1, lt=INT32), _WHOLE]  # -1 or 0: no top-k
 Count = Annotated[int, Field(ge=0, lt=INT32), _WHOLE]
 StopTokenId = Annotated[int, Field(ge=0, lt=INT32), _WHOLE]  # any id: one past the vocabulary never matches
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-LogitBiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id: JSON object keys are strings
+LogitBiasKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id: JSON object keys are strings
 NonBlank = Annotated[str, Field(pattern=r"\S")]
+
+
+
+def _logit_bias_schema(schema: dict[str, Any]) -> None:
+    """Token ids (openapi.py writes their pattern) to numbers; pydantic's own schema would let
+    keys outside its pattern through."""
+    schema.clear()
+    schema.update(type="object", propertyNames={"type": "string", TOKEN_ID_KEYS: True},
+                  additionalProperties={"type": "number"})
+
+
+LogitBias = Annotated[dict[LogitBiasKey, FiniteFloat], Field(json_schema_extra=_logit_bias_schema)]

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from vllm_cluster.router.openai.errors import ErrorResponse
-from vllm_cluster.router.openai.field_types import MAX_TOKENS, TOKEN_ID
+from vllm_cluster.router.openai.field_types import INT32, MAX_TOKENS, TOKEN_ID, TOKEN_ID_KEYS
 
 _WHEN = {
     400: "The request is invalid: the message says what to change, `param` names the field.",
@@ -61,7 +61,9 @@ def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: b
             schemas.pop("ValidationError", None)
             envelope = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(envelope.pop("$defs"), ErrorResponse=envelope)
-            _bound(doc, {TOKEN_ID: vocab_size - 1 if vocab_size else None, MAX_TOKENS: max_model_len - 1})
+            max_token_id = vocab_size - 1 if vocab_size else None
+            _bound(doc, {TOKEN_ID: max_token_id, MAX_TOKENS: max_model_len - 1})
+            _key_patterns(doc, integers_up_to(INT32 - 1 if max_token_id is None else max_token_id))
             if not reasoning and "ThinkingParam" in schemas:
                 schemas["ThinkingParam"]["properties"]["type"] = {"const": "disabled", "type": "string"}
             app.openapi_schema = doc
@@ -90,3 +92,28 @@ def _bound(node: Any, maximums: dict[str, int | None]) -> None:
     elif isinstance(node, list):
         for value in node:
             _bound(value, maximums)
+
+
+def _key_patterns(node: Any, pattern: str) -> None:
+    """Each schema marked TOKEN_ID_KEYS gets `pattern`; the marker goes."""
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_KEYS, False):
+            node["pattern"] = pattern
+        for value in node.values():
+            _key_patterns(value, pattern)
+    elif isinstance(node, list):
+        for value in node:
+            _key_patterns(value, pattern)
+
+
+def integers_up_to(n: int) -> str:
+    """A regex for the decimal integers 0..n as JSON object keys spell them (no sign, no
+    leading zero): the shorter numbers, then each digit of n in turn held below its value."""
+    digits = str(n)
+    alternatives = ["0", f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, digit in enumerate(digits):
+        low = 1 if i == 0 and len(digits) > 1 else 0
+        if int(digit) - 1 >= low:
+            rest = len(digits) - i - 1
+            alternatives.append(f"{digits[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return f"^(?:{'|'.join([*alternatives, digits])})$"

@@ -1,7 +1,8 @@
 """The OpenAI request bodies we accept, and how each becomes the cluster's SamplingParams.
 
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
-stop_token_ids, repetition_penalty, ...). Unknown fields are ignored, as vLLM does. Every
+stop_token_ids, repetition_penalty, ...). Unknown fields are ignored, as vLLM does; known ones
+are parsed strictly, within the ranges /openapi.json states (field_types.py). Every
 field a model declares is accounted for in REQUEST_FIELDS (router/openai/fields.py): it
 changes what the server does, or it is refused with a 400 naming it (suffix, best_of,
 ...); a test walks the models against that table.
@@ -105,7 +106,7 @@ class _SamplingFields(_Body):
     # vLLM's `prompt_logprobs`: top-N per prompt token, in the response's `prompt_logprobs`.
     prompt_logprobs: ft.NumLogprobs | None = None
     # OpenAI's logit_bias and vLLM's logits processors (engine/logits_processors.py).
-    logit_bias: dict[ft.LogitBiasKey, ft.FiniteFloat] | None = None
+    logit_bias: ft.LogitBias | None = None
     allowed_token_ids: Annotated[list[ft.TokenId], Field(min_length=1)] | None = None
     bad_words: list[ft.NonBlank] | None = None
     # vLLM's: keep the last k prompt tokens (-1: max_model_len); served in serving._job.

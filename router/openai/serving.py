@@ -283,6 +283,7 @@ class OpenAIServing:
         for prompt in prompts:
             self._check_vocab(prompt, "prompt")
         self._check_vocab(params.allowed_token_ids, "allowed_token_ids")
+        self._check_vocab(params.logit_bias.keys(), "logit_bias")
         prompts = [self._truncated(p, params) for p in prompts]
         requests = []
         for i, prompt in enumerate(prompts):

@@ -6,6 +6,7 @@ tests/integration/test_openapi_fuzz.py checks the same with schemathesis; these 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from vllm_cluster.router.anthropic.protocol import MessagesRequest
 from vllm_cluster.router.openai.app import build_app
 from vllm_cluster.router.openai.backend import RouterBackend
 from vllm_cluster.router.openai.errors import ApiError, invalid_body
+from vllm_cluster.router.openai.openapi import integers_up_to
 from vllm_cluster.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,7 +78,8 @@ def test_tokenize_takes_exactly_one_of_prompt_or_messages_never_null(body: dict[
 
 
 @pytest.mark.parametrize(("body", "field"), [({"prompt": [1, 49152]}, "prompt"),
-                                             ({"prompt": "x", "allowed_token_ids": [49152]}, "allowed_token_ids")])
+                                             ({"prompt": "x", "allowed_token_ids": [49152]}, "allowed_token_ids"),
+                                             ({"prompt": "x", "logit_bias": {"49152": 1.0}}, "logit_bias")])
 def test_token_ids_past_the_vocabulary_are_refused_at_the_front(
     serving: OpenAIServing, body: dict[str, Any], field: str
 ) -> None:
@@ -96,4 +99,13 @@ def test_the_document_states_the_bounds_only_the_running_server_knows(
     max_tokens = schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
     assert max_tokens["maximum"] == serving.max_model_len - 1  # a prompt has at least one token
     assert schemas["ThinkingParam"]["properties"]["type"]["const"] == "disabled"  # no reasoning parser here
+    bias = schemas["CompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]["propertyNames"]
+    assert bias["pattern"] == integers_up_to(len(serving.tokenizer) - 1)
     assert schemas["TokenizeRequest"]["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
+
+
+@pytest.mark.parametrize("n", [0, 7, 10, 19, 100, 909, 4915])
+def test_the_token_id_key_pattern_matches_exactly_the_ids_up_to_n(n: int) -> None:
+    pattern = re.compile(integers_up_to(n))
+    assert [k for k in range(n + 1000) if pattern.fullmatch(str(k))] == list(range(n + 1))
+    assert not any(pattern.fullmatch(key) for key in ("", "-1", "00", "01", "+1", " 1"))
