@@ -41,17 +41,15 @@ TopK = Annotated[int, Field(ge=-1, lt=INT32), _WHOLE]  # -1 or 0: no top-k
 Count = Annotated[int, Field(ge=0, lt=INT32), _WHOLE]
 StopTokenId = Annotated[int, Field(ge=0, lt=INT32), _WHOLE]  # any id: one past the vocabulary never matches
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-LogitBiasKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id: JSON object keys are strings
-NonBlank = Annotated[str, Field(pattern=r"\S")]
+NonBlank = Annotated[str, Field(json_schema_extra={"pattern": r"\S"})]  # sampling_checks.py refuses a blank one
 
 
 
 def _logit_bias_schema(schema: dict[str, Any]) -> None:
-    """Token ids (openapi.py writes their pattern) to numbers; pydantic's own schema would let
-    keys outside its pattern through."""
+    """Token ids (openapi.py writes their pattern; sampling_checks.py refuses another key) to numbers."""
     schema.clear()
     schema.update(type="object", propertyNames={"type": "string", TOKEN_ID_KEYS: True},
                   additionalProperties={"type": "number"})
 
 
-LogitBias = Annotated[dict[LogitBiasKey, FiniteFloat], Field(json_schema_extra=_logit_bias_schema)]
+LogitBias = Annotated[dict[str, FiniteFloat], Field(json_schema_extra=_logit_bias_schema)]

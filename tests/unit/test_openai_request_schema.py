@@ -55,10 +55,17 @@ def test_a_whole_number_written_with_a_fraction_is_an_integer_as_in_json_schema(
 
 
 @pytest.mark.parametrize(("field", "value"), [("temperature", -0.5), ("top_p", 0.0), ("n", 0), ("top_k", -2),
-                                              ("allowed_token_ids", []), ("bad_words", [" "]),
-                                              ("truncate_prompt_tokens", 0), ("logit_bias", {"-1": 1.0})])
+                                              ("allowed_token_ids", []), ("truncate_prompt_tokens", 0)])
 def test_a_value_out_of_its_documented_range_is_refused_naming_the_field(field: str, value: Any) -> None:
-    assert str(_refused(CompletionRequest, {"prompt": "x", field: value}).param).startswith(field)
+    assert _refused(CompletionRequest, {"prompt": "x", field: value}).param == field
+
+
+@pytest.mark.parametrize(("field", "value"), [("bad_words", [" "]), ("logit_bias", {"-1": 1.0}),
+                                              ("logit_bias", {"01": 1.0}), ("logit_bias", {" 1": 1.0})])
+def test_a_value_off_its_documented_pattern_is_refused_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ApiError) as e:
+        CompletionRequest.model_validate({"prompt": "x", field: value}).to_sampling_params()
+    assert e.value.status == 400 and e.value.param == field
 
 
 def test_anthropic_max_tokens_below_one_is_refused_before_the_chat_path() -> None:
