@@ -46,7 +46,7 @@ def test_schemathesis_finds_nothing(tmp_path: Path) -> None:
         run = subprocess.run(
             [st, "--config-file", str(CONFIG), "run", f"{front.http_address}/openapi.json",
              "--header", f"Authorization: Bearer {KEY}", "--max-examples", "30", "--seed", "1",
-             "--request-timeout", "30", "--no-color", "--generation-database", "none", "--workers", "2"],
+             "--request-timeout", "30", "--no-color", "--generation-database", "none"],
             capture_output=True, text=True, timeout=900, cwd=tmp_path,
         )
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
