@@ -77,14 +77,14 @@ class CannedGeneration(pb_grpc.GenerationServicer):
         if max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be >= 1, got {max_tokens}")
         sizes = message_sizes(max_tokens, self._config.tokens_per_message)
-        full = _response(request.request_id, sizes[0])  # every message but the last is this one
-        for _ in sizes[:-1]:
-            yield full
-        last = _response(request.request_id, sizes[-1])
+        with_logprobs = params.HasField("logprobs")
+        full = _response(request.request_id, sizes[0], with_logprobs)  # every message but the last is this one
+        last = _response(request.request_id, sizes[-1], with_logprobs)
         last.finish_reason = "length"
         last.usage.prompt_tokens = _grpc_prompt_len(request)
         last.usage.completion_tokens = max_tokens
-        yield last
+        for i, response in enumerate([full] * (len(sizes) - 1) + [last]):
+            yield _with_prompt_logprobs(response, request) if i == 0 else response
 
     async def ListModels(  # noqa: N802
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -114,10 +114,23 @@ class CannedGeneration(pb_grpc.GenerationServicer):
         return pb.LoRAAdapterResponse(changed=True)
 
 
-def _response(request_id: str, num_tokens: int) -> pb.GenerateResponse:
+def _response(request_id: str, num_tokens: int, with_logprobs: bool) -> pb.GenerateResponse:
+    """`with_logprobs`: each canned token is certain (logprob 0, rank 1), as the sampled tokens' logprobs."""
+    certain = [pb.TokenLogprob(token_id=CANNED_TOKEN_ID, logprob=0.0, rank=1)] * num_tokens if with_logprobs else []
     return pb.GenerateResponse(
-        request_id=request_id, token_ids=[CANNED_TOKEN_ID] * num_tokens, text=CANNED_TEXT * num_tokens
+        request_id=request_id, token_ids=[CANNED_TOKEN_ID] * num_tokens, text=CANNED_TEXT * num_tokens, logprobs=certain
     )
+
+
+def _with_prompt_logprobs(response: pb.GenerateResponse, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    """The first message carries prompt_logprobs when asked for: every prompt token after the
+    first, certain (logprob 0, rank 1), as a decode instance reports them."""
+    if not request.sampling_params.HasField("prompt_logprobs"):
+        return response
+    first = pb.GenerateResponse()
+    first.CopyFrom(response)
+    first.prompt_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=0.0, rank=1) for t in request.token_ids.ids[1:])
+    return first
 
 
 def _grpc_prompt_len(request: pb.GenerateRequest) -> int:

@@ -9,11 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm_cluster.router.openai import field_types as ft
 from vllm_cluster.router.openai.errors import ApiError, lone_surrogate
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type is refused, not converted, as on the OpenAI routes.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Body(_Model):
@@ -38,7 +40,9 @@ class ContentBlockParam(_Model):
     call), `tool_result` (tool_use_id, content, is_error: the user's answer to a call),
     `thinking` / `redacted_thinking` (an earlier turn's reasoning, not shown to the model again)."""
 
-    type: str
+    # The document lists the types served; another (image, document) is refused by translate.py,
+    # with a message saying what to send instead.
+    type: str = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]})
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -53,9 +57,20 @@ class MessageParam(_Model):
     content: str | list[ContentBlockParam]
 
 
+def _client_tool_schema(schema: dict[str, Any]) -> None:
+    """What translate.py requires of a tool, stated in the document (the server's own 400s say it
+    in more words than a validation error would): a client tool, an input_schema, a name chat
+    tools accept."""
+    schema["required"] = ["name", "input_schema"]
+    schema["properties"]["type"] = {"anyOf": [{"const": "custom", "type": "string"}, {"type": "null"}]}
+    schema["properties"]["input_schema"] = {"type": "object", "additionalProperties": True}
+    schema["properties"]["name"]["pattern"] = r"^[a-zA-Z0-9_.\-]{1,64}$"
+
+
 class ToolParam(_Model):
     """A client tool: its `input_schema` (JSON Schema) is what the call's input must match."""
 
+    model_config = ConfigDict(json_schema_extra=_client_tool_schema)
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # required of client tools (translate.py says so)
@@ -63,6 +78,10 @@ class ToolParam(_Model):
 
 
 class ToolChoiceParam(_Model):
+    model_config = ConfigDict(json_schema_extra={  # type "tool" names the tool (translate.py refuses it without)
+        "if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+        "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]},
+    })
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # type "tool": the tool to call
     disable_parallel_tool_use: bool | None = None
@@ -90,6 +109,11 @@ class OutputConfigParam(_Model):
 class CountTokensRequest(_Body):
     """What /v1/messages/count_tokens reads: the prompt, as the chat template renders it."""
 
+    model_config = ConfigDict(json_schema_extra={  # tool_choice any or tool needs tools to choose from
+        "if": {"properties": {"tool_choice": {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}},
+                                              "required": ["type"]}}, "required": ["tool_choice"]},
+        "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+    })
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[ContentBlockParam] | None = None
@@ -99,12 +123,12 @@ class CountTokensRequest(_Body):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int
+    max_tokens: ft.MaxTokens
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None  # vLLM's extra: reproducible sampling
+    temperature: ft.Temperature | None = None
+    top_p: ft.TopP | None = None
+    top_k: ft.TopK | None = None
+    seed: ft.Seed | None = None  # vLLM's extra: reproducible sampling
     stream: bool = False
     output_config: OutputConfigParam | None = None
     metadata: dict[str, Any] | None = None  # Anthropic's user_id, for the caller's tracking: no effect

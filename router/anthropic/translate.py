@@ -21,7 +21,14 @@ from typing import Any
 
 from vllm_cluster.router.anthropic.protocol import ContentBlockParam, CountTokensRequest, MessagesRequest
 from vllm_cluster.router.openai.errors import bad_request
-from vllm_cluster.router.openai.protocol import ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions
+from vllm_cluster.router.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+    FunctionCall,
+    StreamOptions,
+    ToolCall,
+)
 
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 
@@ -117,7 +124,7 @@ def _assistant_message(blocks: list[ContentBlockParam], where: str) -> ChatMessa
             if block.id is None or block.name is None:
                 raise bad_request(f"{where}.{j}: a tool_use block needs `id`, `name` and `input`", f"{where}.{j}")
             arguments = json.dumps(block.input or {}, ensure_ascii=False)
-            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+            calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=arguments)))
         elif block.type not in _DROPPED_BLOCKS:
             parts.append(ContentPart(type="text", text=_block_text(block, f"{where}.{j}")))
     return ChatMessage(role="assistant", content=parts, tool_calls=calls or None)

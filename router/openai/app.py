@@ -39,6 +39,7 @@ from vllm_cluster.router.openai.protocol import (
     LoRAAdapterRequest,
     ResponsesRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from vllm_cluster.router.openai.serving import OpenAIServing
 
@@ -113,7 +114,7 @@ def build_app(
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=lora_errors)
-    async def unload_lora_adapter(body: LoRAAdapterRequest) -> Response:
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         await serving.backend.lora_adapter(False, body.lora_name, "")
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
@@ -141,7 +142,9 @@ def build_app(
         return serving.detokenize(body.tokens)
 
     app.include_router(messages_routes(AnthropicServing(serving), _respond))
-    document(app, _UNGUARDED_PATHS, api_key_required=bool(api_key))
+    vocab_size = len(serving.tokenizer) if serving.tokenizer is not None else None
+    document(app, _UNGUARDED_PATHS, api_key_required=bool(api_key), max_model_len=serving.max_model_len,
+             vocab_size=vocab_size, reasoning=bool(serving.reasoning_parser))
     return Guard(app, api_key, max_request_bytes, body_timeout_s, _UNGUARDED_PATHS, dialects=(DIALECT,))
 
 

@@ -45,6 +45,9 @@ _USER = FieldUse("no_effect", "OpenAI's end-user id, for the caller's own abuse 
 REQUEST_FIELDS: dict[str, FieldUse] = {
     "LoRAAdapterRequest.lora_name": _served("tests/integration/test_lora_serving.py::test_adapters_served_as_offline"),
     "LoRAAdapterRequest.lora_path": _served("tests/integration/test_lora_serving.py::test_adapters_served_as_offline"),
+    "UnloadLoRAAdapterRequest.lora_name": _served(
+        "tests/integration/test_lora_serving.py::test_adapters_served_as_offline"
+    ),
     "StreamOptions.include_usage": _served(_FIELDS_TEST + "test_continuous_usage_stats_put_usage_on_every_chunk"),
     "StreamOptions.continuous_usage_stats": _served(
         _FIELDS_TEST + "test_continuous_usage_stats_put_usage_on_every_chunk"
@@ -98,6 +101,11 @@ REQUEST_FIELDS: dict[str, FieldUse] = {
     "ChatMessage.name": _served(_TOKENIZER),
     "ChatMessage.tool_calls": _served(_TOOLS + "test_tool_results_go_through_the_template"),
     "ChatMessage.tool_call_id": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "ToolCall.id": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "ToolCall.type": _refused(_NOT_SERVED),
+    "ToolCall.function": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "FunctionCall.name": _served(_TOOLS + "test_tool_results_go_through_the_template"),
+    "FunctionCall.arguments": _served(_TOOLS + "test_tool_results_go_through_the_template"),
     "ChatCompletionRequest.messages": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatCompletionRequest.max_tokens": _served(_API + "test_chat_greedy_equals_offline_engine"),
     "ChatCompletionRequest.max_completion_tokens": _served(

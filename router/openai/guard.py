@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,6 +187,11 @@ class HeadersInTime(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # uvicorn writes a response's head and body apart; without TCP_NODELAY the body waits
+        # for the client's delayed ACK (about 40 ms) on every request of a kept-alive connection.
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._watch_headers()
 
     def data_received(self, data: bytes) -> None:

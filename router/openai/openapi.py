@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from vllm_cluster.router.openai.errors import ErrorResponse
+from vllm_cluster.router.openai.field_types import INT32, MAX_TOKENS, TOKEN_ID, TOKEN_ID_KEYS
 
 _WHEN = {
     400: "The request is invalid: the message says what to change, `param` names the field.",
@@ -37,8 +38,12 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"description": _WHEN[status], "content": _ENVELOPE} for status in statuses}
 
 
-def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: bool) -> None:
-    """Make `app.openapi()` (what /openapi.json serves) include the guard's answers."""
+def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: bool, max_model_len: int,
+             vocab_size: int | None = None, reasoning: bool = False) -> None:
+    """Make `app.openapi()` (what /openapi.json serves) include the guard's answers, and the
+    rules of this server: max_tokens below `max_model_len`, token ids below `vocab_size` (the
+    tokenizer's, when the server has one), and Anthropic's `thinking` only on a server that
+    splits reasoning out."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -56,6 +61,11 @@ def document(app: FastAPI, unguarded_paths: tuple[str, ...], api_key_required: b
             schemas.pop("ValidationError", None)
             envelope = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(envelope.pop("$defs"), ErrorResponse=envelope)
+            max_token_id = vocab_size - 1 if vocab_size else None
+            _bound(doc, {TOKEN_ID: max_token_id, MAX_TOKENS: max_model_len - 1})
+            _key_patterns(doc, integers_up_to(INT32 - 1 if max_token_id is None else max_token_id))
+            if not reasoning and "ThinkingParam" in schemas:
+                schemas["ThinkingParam"]["properties"]["type"] = {"const": "disabled", "type": "string"}
             app.openapi_schema = doc
         return app.openapi_schema
 
@@ -67,3 +77,43 @@ def _own_error_content(responses: dict[str, Any]) -> dict[str, Any]:
     shape, which the guard answers in too), else the envelope."""
     return next((r["content"] for status, r in responses.items() if status.startswith("4") and "content" in r),
                 _ENVELOPE)
+
+
+def _bound(node: Any, maximums: dict[str, int | None]) -> None:
+    """Each schema marked with a key of `maximums` (field_types.py) gets that maximum (None:
+    unknown here, the type's own bound stays); the markers go."""
+    if isinstance(node, dict):
+        for marker, maximum in maximums.items():
+            if node.pop(marker, False) and maximum is not None:
+                node.pop("exclusiveMaximum", None)
+                node["maximum"] = maximum
+        for value in node.values():
+            _bound(value, maximums)
+    elif isinstance(node, list):
+        for value in node:
+            _bound(value, maximums)
+
+
+def _key_patterns(node: Any, pattern: str) -> None:
+    """Each schema marked TOKEN_ID_KEYS gets `pattern`; the marker goes."""
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_KEYS, False):
+            node["pattern"] = pattern
+        for value in node.values():
+            _key_patterns(value, pattern)
+    elif isinstance(node, list):
+        for value in node:
+            _key_patterns(value, pattern)
+
+
+def integers_up_to(n: int) -> str:
+    """A regex for the decimal integers 0..n as JSON object keys spell them (no sign, no
+    leading zero): the shorter numbers, then each digit of n in turn held below its value."""
+    digits = str(n)
+    alternatives = ["0", f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, digit in enumerate(digits):
+        low = 1 if i == 0 and len(digits) > 1 else 0
+        if int(digit) - 1 >= low:
+            rest = len(digits) - i - 1
+            alternatives.append(f"{digits[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return f"^(?:{'|'.join([*alternatives, digits])})$"

@@ -1,7 +1,8 @@
 """The OpenAI request bodies we accept, and how each becomes the cluster's SamplingParams.
 
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
-stop_token_ids, repetition_penalty, ...). Unknown fields are ignored, as vLLM does. Every
+stop_token_ids, repetition_penalty, ...). Unknown fields are ignored, as vLLM does; known ones
+are parsed strictly, within the ranges /openapi.json states (field_types.py). Every
 field a model declares is accounted for in REQUEST_FIELDS (router/openai/fields.py): it
 changes what the server does, or it is refused with a 400 naming it (suffix, best_of,
 ...); a test walks the models against that table.
@@ -9,15 +10,16 @@ changes what the server does, or it is refused with a 400 naming it (suffix, bes
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from vllm_cluster.proto import cluster_pb2 as pb
+from vllm_cluster.router.openai import field_types as ft
 from vllm_cluster.router.openai.errors import ApiError, bad_request, lone_surrogate
-from vllm_cluster.router.openai.sampling_checks import INT32 as _INT32
 from vllm_cluster.router.openai.sampling_checks import check_ranges, logits_fields
-from vllm_cluster.router.openai.structured_output import structured_outputs
+from vllm_cluster.router.openai.structured_output import response_format_of, structured_outputs
 from vllm_cluster.router.openai.tools import (
     ToolChoice,
     from_responses_tool_choice,
@@ -26,13 +28,14 @@ from vllm_cluster.router.openai.tools import (
     tool_choice,
 )
 
-MAX_N = 64  # choices per request; each is its own sequence on a decode instance
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
-MAX_LOGPROBS = 20
+_TokenIds = Annotated[list[ft.TokenId], Field(min_length=1)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type is refused, not converted (`"stream": 0` is not false),
+    # so that the server accepts what /openapi.json states and nothing else.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Body(_Request):
@@ -58,10 +61,16 @@ class _Body(_Request):
 
 
 class LoRAAdapterRequest(_Body):
-    """vLLM's body of /v1/load_lora_adapter (lora_path unused by /v1/unload_lora_adapter)."""
+    """vLLM's body of /v1/load_lora_adapter."""
 
-    lora_name: str = ""
-    lora_path: str = ""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's body of /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
 
 
 class StreamOptions(_Request):
@@ -73,37 +82,37 @@ class _SamplingFields(_Body):
     """What completions and chat completions share."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    n: ft.NumChoices = 1
+    temperature: ft.Temperature | None = None
+    top_p: ft.TopP | None = None
+    seed: ft.Seed | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: ft.Penalty = 0.0
+    frequency_penalty: ft.Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
+    top_k: ft.TopK | None = None
+    min_p: ft.MinP | None = None
+    min_tokens: ft.Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    repetition_penalty: float | None = None
+    stop_token_ids: list[ft.StopTokenId] | None = None
+    repetition_penalty: ft.RepetitionPenalty | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's `cache_salt`: requests with different salts never share cached prompt blocks.
     cache_salt: str | None = None
     # vLLM's `prompt_logprobs`: top-N per prompt token, in the response's `prompt_logprobs`.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: ft.NumLogprobs | None = None
     # OpenAI's logit_bias and vLLM's logits processors (engine/logits_processors.py).
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    logit_bias: ft.LogitBias | None = None
+    allowed_token_ids: Annotated[list[ft.TokenId], Field(min_length=1)] | None = None
+    bad_words: list[ft.NonBlank] | None = None
     # vLLM's: keep the last k prompt tokens (-1: max_model_len); served in serving._job.
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Literal[-1] | Annotated[int, Field(ge=1, lt=ft.INT32)] | None = None
     # vLLM's: lower is served first on instances with scheduling_policy: priority.
-    priority: int = 0
+    priority: ft.Int32 = 0
     # Refused when set: silently dropping them would change the answer.
     best_of: int | None = None
     # Structured output (router/openai/structured_output.py): OpenAI's, vLLM's, vLLM's older.
@@ -119,24 +128,14 @@ class _SamplingFields(_Body):
             raise bad_request("best_of is not supported; use n", "best_of")
 
     def sampling_params(self, max_tokens: int | None, num_logprobs: int | None) -> pb.SamplingParams:
-        """Validated here (the router validates again): 400 naming the parameter."""
+        """Validated here (the router validates again): 400 naming the parameter. Ranges of
+        single fields are the field types' (field_types.py); these are the rules across fields."""
         self._refuse_unsupported()
-        if not 1 <= self.n <= MAX_N:
-            raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         check_ranges(self)
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
-        if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {num_logprobs}", "logprobs")
-        for name, value in (("max_tokens", max_tokens), ("min_tokens", self.min_tokens), ("top_k", self.top_k)):
-            if value is not None and not -_INT32 <= value < _INT32:
-                raise bad_request(f"{name} is out of range: {value}", name)
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise bad_request(f"seed must fit in 64 bits, got {self.seed}", "seed")
-        if any(not 0 <= t < _INT32 for t in self.stop_token_ids or []):
-            raise bad_request("stop_token_ids must be token ids (0 <= id < 2**31)", "stop_token_ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         msg = pb.SamplingParams(
             top_k=0 if self.top_k in (None, -1) else self.top_k,
@@ -169,9 +168,6 @@ class _SamplingFields(_Body):
         if num_logprobs is not None:
             msg.logprobs = num_logprobs
         if self.prompt_logprobs is not None:
-            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-                raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
-                                  "prompt_logprobs")
             if self.stream:
                 raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
             msg.prompt_logprobs = self.prompt_logprobs
@@ -188,9 +184,10 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | _TokenIds
+             | Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: ft.CompletionMaxTokens | None = 16  # 0 only with echo (echo_only)
+    logprobs: ft.NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -223,15 +220,30 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(_Request):
+    # The document states what ChatMessage.text() reads: a text part, with its text. Another
+    # part is refused there, with a message saying this model reads text only.
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema.update(required=["type", "text"], properties={
+        "type": {"enum": ["text", "input_text", "output_text"], "type": "string"}, "text": {"type": "string"}}))
     type: str
     text: str | None = None
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI's), or the object itself
+
+
+class ToolCall(_Request):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # the participant's name, given to the chat template as vLLM does
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls (tools.py)
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (tools.py)
     tool_call_id: str | None = None  # a tool message: the call whose result it holds
 
     def template_message(self) -> dict[str, Any]:
@@ -240,7 +252,7 @@ class ChatMessage(_Request):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = template_tool_calls(self.tool_calls)
+            message["tool_calls"] = template_tool_calls([call.model_dump() for call in self.tool_calls])
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -262,10 +274,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: ft.MaxTokens | None = None
+    max_completion_tokens: ft.MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: ft.NumLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -274,10 +286,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> pb.SamplingParams:
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}", "top_logprobs"
-            )
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -315,8 +323,7 @@ class ResponsesInputMessage(_Request):
         if self.type == "function_call":
             if self.call_id is None or self.name is None:
                 raise bad_request("a function_call input item needs call_id, name and arguments", "input")
-            call = {"id": self.call_id, "type": "function",
-                    "function": {"name": self.name, "arguments": self.arguments or "{}"}}
+            call = ToolCall(id=self.call_id, function=FunctionCall(name=self.name, arguments=self.arguments or "{}"))
             return ChatMessage(role="assistant", tool_calls=[call])
         if self.type == "function_call_output":
             if self.call_id is None or self.output is None:
@@ -333,9 +340,9 @@ class ResponsesRequest(_Body):
     model: str | None = None
     input: str | list[ResponsesInputMessage]
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: ft.MaxTokens | None = None
+    temperature: ft.Temperature | None = None
+    top_p: ft.TopP | None = None
     stream: bool = False
     user: str | None = None
     tools: list[dict[str, Any]] | None = None  # function tools: {"type": "function", "name", "parameters"}
@@ -368,31 +375,24 @@ class ResponsesRequest(_Body):
         )
 
 
-def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The Responses API's `text.format` as chat's `response_format` (the schema sits in the
-    format itself there, not under `json_schema`)."""
-    if text is None or text.get("format") is None:
-        return None
-    fmt = text["format"]
-    if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
-        raise bad_request("text.format must be an object with type 'text', 'json_object' or 'json_schema'", "text")
-    if fmt.get("type") != "json_schema":
-        return {"type": fmt.get("type", "text")}
-    if not isinstance(fmt.get("schema", {}), dict | bool):
-        raise bad_request('text.format.schema must be a JSON schema object: {"type": "json_schema", "name": ..., '
-                          '"schema": {...}}', "text")
-    schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema", {})}
-    return {"type": "json_schema", "json_schema": schema}
-
-
 class TokenizeRequest(_Body):
+    """Exactly one of prompt and messages (neither is null when sent)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | SkipJsonSchema[None] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        sent_null = any(getattr(self, name) is None for name in self.model_fields_set & {"prompt", "messages"})
+        if (self.prompt is None) == (self.messages is None) or sent_null:
+            raise bad_request("send exactly one of prompt (a string) or messages (a list), not null", "prompt")
+        return self
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[ft.TokenId]

@@ -4,6 +4,7 @@ done at the HTTP front so that the 400 names the field; the engine checks them a
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from vllm_cluster.router.openai.protocol import _SamplingFields
 
 INT32 = 2**31
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 # name: (is the value allowed?, what is allowed)
 RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -30,10 +32,7 @@ def logits_fields(body: _SamplingFields, msg: pb.SamplingParams) -> None:
     """logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens into `msg`; 400
     naming the field. Token ids past the vocabulary are refused by the engine."""
     for key, bias in (body.logit_bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            token_id = -1
+        token_id = int(key) if _TOKEN_ID_KEY.fullmatch(key) else -1  # as /openapi.json spells them
         if not 0 <= token_id < INT32:
             raise bad_request(f"Found token_id `{key}` in logit_bias but token_id must be an integer or string "
                               "representing an integer", "logit_bias")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,8 +158,9 @@ class OpenAIServing:
                             "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if body.logprobs else None})
         response = {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
                     "choices": choices, "usage": self._usage(job)}
-        if body.prompt_logprobs is not None:  # vLLM's extra: one prompt, on the response
-            response["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt, job.choices[0].prompt_logprobs)
+        if body.prompt_logprobs is not None:  # vLLM's extra: one prompt (as served: truncated), on the response
+            served = list(job.requests[0].token_ids.ids)
+            response["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, served, job.choices[0].prompt_logprobs)
         return response
 
     def chat_output(self, parser: ToolParser | None, parallel_tool_calls: bool = True) -> ChatOutput:
@@ -222,9 +223,7 @@ class OpenAIServing:
 
     def detokenize(self, tokens: list[int]) -> dict[str, Any]:
         tokenizer = self._need_tokenizer()
-        bad = [t for t in tokens if not 0 <= t < len(tokenizer)]
-        if bad:
-            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {len(tokenizer)})", "tokens")
+        self._check_vocab(tokens, "tokens")
         return {"prompt": tokenizer.decode(tokens)}
 
     # ---- shared
@@ -237,6 +236,12 @@ class OpenAIServing:
 
     def _count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False)) if text and self.tokenizer else 0
+
+    def _check_vocab(self, token_ids: Iterable[int], field: str) -> None:
+        """Token ids past the tokenizer's vocabulary (/openapi.json states the bound) are a 400."""
+        bad = [t for t in token_ids if self.tokenizer is not None and t >= len(self.tokenizer)]
+        if bad:
+            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {len(self.tokenizer)})", field)
 
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -275,6 +280,10 @@ class OpenAIServing:
         if len(prompts) * body.n > _MAX_SEQUENCES:
             raise bad_request(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} sequences; "
                               f"send at most {_MAX_SEQUENCES} per request", "n")
+        for prompt in prompts:
+            self._check_vocab(prompt, "prompt")
+        self._check_vocab(params.allowed_token_ids, "allowed_token_ids")
+        self._check_vocab(params.logit_bias.keys(), "logit_bias")
         prompts = [self._truncated(p, params) for p in prompts]
         requests = []
         for i, prompt in enumerate(prompts):

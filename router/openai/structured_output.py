@@ -87,3 +87,20 @@ def _from_structured_outputs(value: Any) -> dict[str, Any]:
             f"structured_outputs.{unknown[0]} is not supported; use one of {', '.join(_KINDS)}", "structured_outputs"
         )
     return spec
+
+
+def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Responses API's `text.format` as chat's `response_format` (the schema sits in the
+    format itself there, not under `json_schema`)."""
+    if text is None or text.get("format") is None:
+        return None
+    fmt = text["format"]
+    if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+        raise bad_request("text.format must be an object with type 'text', 'json_object' or 'json_schema'", "text")
+    if fmt.get("type") != "json_schema":
+        return {"type": fmt.get("type", "text")}
+    if not isinstance(fmt.get("schema", {}), dict | bool):
+        raise bad_request('text.format.schema must be a JSON schema object: {"type": "json_schema", "name": ..., '
+                          '"schema": {...}}', "text")
+    schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema", {})}
+    return {"type": "json_schema", "json_schema": schema}

@@ -105,5 +105,6 @@ def test_a_refused_field_is_a_400_naming_it(name: str) -> None:
 
 def test_every_refused_field_of_a_sampling_model_has_a_refusing_value() -> None:
     refused = {n for n, u in REQUEST_FIELDS.items() if u.kind == "refused"}
-    validated_by_shape = {"ContentPart.type", "ResponsesInputMessage.type"}  # refused by type (HTTP test)
+    # refused by type (HTTP test)
+    validated_by_shape = {"ContentPart.type", "ResponsesInputMessage.type", "ToolCall.type"}
     assert refused - validated_by_shape == set(_REFUSED_VALUES)
