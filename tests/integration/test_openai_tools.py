@@ -68,7 +68,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def client(cluster: LocalCluster) -> Any:
-    return openai.OpenAI(base_url=cluster.http_address + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    # 200 sampled calls (4 requests, n=50) on two shared cores: a generous bound, not a speed check.
+    return openai.OpenAI(base_url=cluster.http_address + "/v1", api_key=KEY, max_retries=0, timeout=600)
 
 
 def assert_valid_call(call: Any) -> None:
