@@ -9,6 +9,7 @@ default 422, which this server never sends: a body that fails validation is a 40
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -79,31 +80,38 @@ def _own_error_content(responses: dict[str, Any]) -> dict[str, Any]:
                 _ENVELOPE)
 
 
+def _each_schema(node: Any, fn: Callable[[dict[str, Any]], None]) -> None:
+    """`fn` on every JSON object in the document, outermost first."""
+    if isinstance(node, dict):
+        fn(node)
+        for value in node.values():
+            _each_schema(value, fn)
+    elif isinstance(node, list):
+        for value in node:
+            _each_schema(value, fn)
+
+
 def _bound(node: Any, maximums: dict[str, int | None]) -> None:
     """Each schema marked with a key of `maximums` (field_types.py) gets that maximum (None:
     unknown here, the type's own bound stays); the markers go."""
-    if isinstance(node, dict):
+
+    def bound(schema: dict[str, Any]) -> None:
         for marker, maximum in maximums.items():
-            if node.pop(marker, False) and maximum is not None:
-                node.pop("exclusiveMaximum", None)
-                node["maximum"] = maximum
-        for value in node.values():
-            _bound(value, maximums)
-    elif isinstance(node, list):
-        for value in node:
-            _bound(value, maximums)
+            if schema.pop(marker, False) and maximum is not None:
+                schema.pop("exclusiveMaximum", None)
+                schema["maximum"] = maximum
+
+    _each_schema(node, bound)
 
 
 def _key_patterns(node: Any, pattern: str) -> None:
     """Each schema marked TOKEN_ID_KEYS gets `pattern`; the marker goes."""
-    if isinstance(node, dict):
-        if node.pop(TOKEN_ID_KEYS, False):
-            node["pattern"] = pattern
-        for value in node.values():
-            _key_patterns(value, pattern)
-    elif isinstance(node, list):
-        for value in node:
-            _key_patterns(value, pattern)
+
+    def key_pattern(schema: dict[str, Any]) -> None:
+        if schema.pop(TOKEN_ID_KEYS, False):
+            schema["pattern"] = pattern
+
+    _each_schema(node, key_pattern)
 
 
 def integers_up_to(n: int) -> str:
