@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from vllm_cluster.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -15,10 +22,55 @@ def load_tokenizer(path: Path) -> Any:
 
     try:
         if path.is_file():
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return _gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where tokenizers converted from GGUF files are kept: $XDG_CACHE_HOME/vllm_cluster/tokenizers
+    (~/.cache by default)."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "vllm_cluster" / "tokenizers"
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """transformers builds a GGUF file's tokenizer from its metadata in about 10 s of CPU; every
+    router and worker of a cluster needs it. The first load saves the result as a tokenizer
+    directory keyed by the file (path, size, mtime) and the transformers version; later loads
+    read that (about 0.4 s). A cache that cannot be written only costs the next load its time."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    cached = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError):
+            pass  # a damaged entry: convert again and replace it
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        _keep(tokenizer, cached)
+    except OSError as e:
+        logger.warning("could not keep the tokenizer converted from %s in %s: %s", path, cached.parent, e)
+    return tokenizer
+
+
+def _keep(tokenizer: Any, cached: Path) -> None:
+    cached.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".staging-"))
+    try:
+        tokenizer.save_pretrained(str(staging))
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(staging, cached)  # whole or absent: a concurrent reader never sees half an entry
+    except OSError:
+        if not (cached / "tokenizer_config.json").is_file():  # else another process kept it first
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def chat_template_text(value: str, where: str = "chat_template") -> str:

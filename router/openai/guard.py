@@ -186,7 +186,7 @@ class HeadersInTime(H11Protocol):
         self._headers_due: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_LingeringClose(transport, self))  # type: ignore[arg-type]
         # uvicorn writes a response's head and body apart; without TCP_NODELAY the body waits
         # for the client's delayed ACK (about 40 ms) on every request of a kept-alive connection.
         sock = transport.get_extra_info("socket")
@@ -195,6 +195,8 @@ class HeadersInTime(H11Protocol):
         self._watch_headers()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return  # the rest of a body we answered early: dropped while the close lingers
         super().data_received(data)
         self._watch_headers()
 
@@ -223,6 +225,38 @@ class HeadersInTime(H11Protocol):
                 b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
             )
             self.transport.close()
+
+
+class _LingeringClose:
+    """The connection's transport, but closing it while the client is still sending a body
+    (the guard's 413 or 408 answers mid-body) shuts only our side: a plain close would answer
+    the unread bytes with a reset, which can reach the client before it reads the answer.
+    What still arrives is dropped; the socket closes when the client closes its side, or
+    LINGER_S later."""
+
+    LINGER_S = 2.0
+
+    def __init__(self, transport: asyncio.Transport, protocol: HeadersInTime) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.is_closing():
+            return
+        if self._protocol.conn.their_state is not h11.SEND_BODY or not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        self._lingering = True
+        self._transport.write_eof()  # after what is queued: the client reads the answer, then EOF
+        self._transport.resume_reading()
+        self._protocol.loop.call_later(self.LINGER_S, self._transport.close)
 
 
 def with_header_timeout(header_timeout_s: float) -> type[HeadersInTime]:

@@ -35,7 +35,9 @@ def test_unreachable_router_is_a_clean_503_with_retry_after(method: str, path: s
 
 
 def test_chunked_body_over_the_limit_is_413_and_closed() -> None:
-    """No Content-Length to refuse up front: the body is counted as it arrives."""
+    """No Content-Length to refuse up front: the body is counted as it arrives. The client
+    still sending after the answer gets the answer and a clean end of stream, not a reset
+    (the server drops the rest of the body until the client closes, or LINGER_S passes)."""
     with refusing_address() as target, start_front(target, max_request_bytes=1000) as front:
         host, port = front.http_address.removeprefix("http://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=15) as sock:
@@ -44,6 +46,9 @@ def test_chunked_body_over_the_limit_is_413_and_closed() -> None:
             chunk = b"x" * 600
             for _ in range(3):
                 sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            big = b"y" * 65536
+            for _ in range(32):  # 2 MiB: far more than the server reads before it answers
+                sock.sendall(f"{len(big):x}\r\n".encode() + big + b"\r\n")
             answer = b""
             while data := sock.recv(4096):  # ends when the server closes the connection
                 answer += data
