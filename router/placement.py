@@ -102,8 +102,8 @@ class Placement:
                     if not queued and not full:
                         self._none_up(context, down)
                     if not queued:
-                        self._shed(context, f"every decode instance is full and {self._admission.num_queued} "
-                                   "requests are queued")
+                        self._shed(context, f"every decode instance is full ({'; '.join(full)}) and "
+                                   f"{self._admission.num_queued} requests are queued")
                 if full and time.monotonic() >= deadline:
                     self._shed(context, f"no decode instance had room within {self._config.queue_timeout_s:g}s "
                                         f"({'; '.join(full)})")
