@@ -91,7 +91,9 @@ class Sampler:
         )
         temperature, top_k, top_p, min_p = _to_device(values.T.contiguous(), logits.device)
         logits = logits / temperature.unsqueeze(1)
-        logits = _top_k_top_p(logits, top_k.long(), top_p)
+        # The sort that top-k / top-p need costs more than the rest of sampling: skipped when no row truncates.
+        if any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params):
+            logits = _top_k_top_p(logits, top_k.long(), top_p)
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0 for p in params):
             keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values

@@ -43,10 +43,10 @@ def worker_stats(cluster: LocalCluster) -> dict[str, pb.WorkerStats]:
 
 
 def test_soak_every_request_ends_and_no_block_leaks(cluster: LocalCluster) -> None:
-    report = soak(cluster.router_address, lambda: worker_stats(cluster), num_requests=240, concurrency=12, seed=1)
-    assert sum(report.outcomes.values()) == 240
+    report = soak(cluster.router_address, lambda: worker_stats(cluster), num_requests=120, concurrency=12, seed=1)
+    assert sum(report.outcomes.values()) == 120
     assert not report.unclean, f"requests that ended badly: {report.unclean} (all: {dict(report.outcomes)})"
-    assert report.outcomes["completed"] >= 100 and report.outcomes["aborted"] > 0
+    assert report.outcomes["completed"] >= 50 and report.outcomes["aborted"] > 0
     assert report.num_recomputed > 0, "no injected transport fault reached decode: the test proves nothing"
     assert not report.leaked_blocks, f"blocks leaked: {report.leaked_blocks}"
     assert all(p.popen.poll() is None for p in cluster.processes)

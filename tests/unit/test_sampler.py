@@ -136,6 +136,23 @@ def test_top_k_disabled_reaches_beyond_any_small_k() -> None:
     assert len(set(drawn)) > 30
 
 
+def test_no_truncating_row_skips_the_sort_and_draws_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_cluster.engine import sampler as sampler_module
+
+    plain = SamplingParams(temperature=1.0)  # top_k 0, top_p 1: nothing to truncate
+    # Sorted, but no token of these flat logits is past top_p: the reference draws.
+    sorted_draws = draw_many(flat_logits(), replace(plain, top_p=0.9999999), 40)
+
+    def no_sort(*args: object) -> torch.Tensor:
+        raise AssertionError("sorted, though no row truncates")
+
+    monkeypatch.setattr(sampler_module, "_top_k_top_p", no_sort)
+    assert draw_many(flat_logits(), plain, 40) == sorted_draws
+    assert draw_many(flat_logits(), replace(plain, top_k=VOCAB), 40) == sorted_draws
+    with pytest.raises(AssertionError, match="sorted"):
+        draw_many(flat_logits(), replace(plain, top_k=VOCAB - 1), 1)
+
+
 def test_top_p_keeps_smallest_set_covering_p() -> None:
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     drawn = draw_many(logits, SamplingParams(temperature=1.0, top_p=0.7), 600)
