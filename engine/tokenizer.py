@@ -43,8 +43,9 @@ def _gguf_tokenizer(path: Path) -> Any:
     import transformers
     from transformers import AutoTokenizer
 
-    stat = path.resolve().stat()
-    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    resolved = path.resolve()
+    stat = resolved.stat()
+    key = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
     cached = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
     if (cached / "tokenizer_config.json").is_file():
         try:
@@ -60,6 +61,7 @@ def _gguf_tokenizer(path: Path) -> Any:
 
 
 def _keep(tokenizer: Any, cached: Path) -> None:
+    """Save `tokenizer` as the cache entry `cached`, replacing any entry there."""
     cached.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".staging-"))
     try:
