@@ -28,6 +28,8 @@ import yaml
 
 from vllm_cluster.cluster.config import ClusterConfig
 from vllm_cluster.cluster.procs import reap_when_done
+from vllm_cluster.engine.config import EngineConfig
+from vllm_cluster.engine.resolve import CUDA_DEFAULTS, resolve_device
 from vllm_cluster.kv_index.redis_server import EmbeddedRedis, start_embedded_redis
 from vllm_cluster.worker.rpc import API_KEY_ENV, REDIS_URL_ENV, TOKEN_ENV
 
@@ -89,7 +91,8 @@ class LocalCluster:
                 self.redis = start_embedded_redis(self.log_dir / "redis")
                 self.redis_url = self.redis.url
             workers = [self._spawn(f"prefill-{i}", "prefill_service") for i in range(self.config.num_prefill)]
-            workers += [self._spawn(f"decode-{i}", "decode_service") for i in range(self.config.num_decode)]
+            share = self._decode_share(workers)
+            workers += [self._spawn(f"decode-{i}", "decode_service", share) for i in range(self.config.num_decode)]
             for process in workers:
                 self._wait_ready(process)
             self.prefill_addresses = [
@@ -111,6 +114,30 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _decode_share(self, prefills: list[_Process]) -> list[str]:
+        """On a shared GPU, the decode instances start once the prefill instances are up and
+        split what those left of the default utilization (each prefill keeps only the KV it
+        needs: worker/main.py share_gpu); elsewhere everything starts at once."""
+        if not prefills or not self.config.num_decode or not self._engine_on_cuda():
+            return []
+        for process in prefills:
+            self._wait_ready(process)
+        total = prefills[0].info["gpu_total_bytes"]
+        held = sum(p.info["gpu_bytes"] for p in prefills)
+        assert CUDA_DEFAULTS.gpu_memory_utilization is not None
+        share = (CUDA_DEFAULTS.gpu_memory_utilization - held / total) / self.config.num_decode
+        if share <= 0.05:
+            raise RuntimeError(
+                f"the prefill instances hold {held / (1 << 30):.1f} GiB of the GPU's {total / (1 << 30):.1f} GiB, "
+                "leaving the decode instances nothing: set cache.gpu_memory_utilization (each instance's share) "
+                "or run fewer instances per GPU"
+            )
+        return ["--gpu-memory-utilization", f"{share:.4f}"]
+
+    def _engine_on_cuda(self) -> bool:
+        engine = EngineConfig.from_yaml(self.config_path)
+        return not engine.cache.size_given and resolve_device(engine.device).type == "cuda"
 
     @property
     def metrics_addresses(self) -> dict[str, str]:

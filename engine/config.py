@@ -89,6 +89,9 @@ class CacheConfig:
     num_blocks: int | None = None
     gpu_memory_utilization: float | None = None
     memory_fraction: float | None = None
+    # A cap in tokens on the size the rules above give (SGLang's --max-total-tokens); a prefill
+    # instance sharing its GPU with decode instances gets one by default (worker/main.py).
+    max_total_tokens: int | None = None
     enable_prefix_caching: bool = True
     # What the KV cache stores (vLLM's kv_cache_dtype): KV_CACHE_DTYPES.
     kv_cache_dtype: str = "auto"
@@ -116,6 +119,8 @@ class CacheConfig:
             raise ConfigError(
                 f"cache.num_blocks: {self.num_blocks} must be >= 1 (or unset to size the cache by memory)"
             )
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ConfigError(f"cache.max_total_tokens: {self.max_total_tokens} must be >= 1 (or unset: no cap)")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"cache.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 0.95:

@@ -64,11 +64,27 @@ def activation_bytes(arch: ModelArchConfig, sched: SchedulerConfig, element_size
     return tokens * per_token + logits + GRAPH_AND_SLACK_BYTES
 
 
-def kv_cache_bytes(cache: CacheConfig, device: torch.device, activations: int) -> int:
-    """The bytes this engine's KV cache may take (`cache.num_blocks` unset, defaults resolved)."""
+def prefill_kv_tokens(max_model_len: int, sched: SchedulerConfig) -> int:
+    """The KV a prefill instance keeps when it shares its GPU with decode instances: one
+    longest prompt, and two steps' prompts on their way to a decode instance. It hands every
+    prompt's blocks over as soon as they are computed; the decode side needs the room."""
+    return max_model_len + 2 * sched.batch_limits()[1]
+
+
+def footprint_bytes(device: torch.device, activations: int) -> int:
+    """What this process holds (or will, at its largest step) of a GPU, for a launcher that
+    sizes the next instance on the same GPU: torch's reserved memory, the CUDA context
+    allowance, and the activation bound where the steps so far did not reserve it yet."""
+    return torch.cuda.memory_reserved(device) + CUDA_CONTEXT_BYTES + activations
+
+
+def kv_cache_bytes(cache: CacheConfig, device: torch.device, activations: int, cap: int | None = None) -> int:
+    """The bytes this engine's KV cache may take (`cache.num_blocks` unset, defaults resolved),
+    at most `cap` (cache.max_total_tokens in bytes)."""
     if cache.gpu_memory_utilization is None:
         assert cache.memory_fraction is not None, "defaults not resolved"
-        return int(available_memory_bytes(device) * cache.memory_fraction)
+        size = int(available_memory_bytes(device) * cache.memory_fraction)
+        return size if cap is None else min(size, cap)
     utilization = cache.gpu_memory_utilization
     free, total = (int(x) for x in torch.cuda.mem_get_info(device))
     held = torch.cuda.memory_reserved(device) + CUDA_CONTEXT_BYTES
@@ -80,6 +96,8 @@ def kv_cache_bytes(cache: CacheConfig, device: torch.device, activations: int) -
             f"step's activations ({activations / GiB:.1f} GiB) already take that: raise it, or lower "
             "scheduler.max_num_batched_tokens / max_num_seqs"
         )
+    if cap is not None:
+        budget = min(budget, cap)
     if budget + activations > free:
         others = max(0, total - free - held)
         raise ConfigError(

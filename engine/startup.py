@@ -138,10 +138,15 @@ def _num_kv_blocks(
     if num_blocks is None:
         activations = activation_bytes(arch, config.scheduler, dtype.itemsize)
         block_bytes = executor.kv_cache_block_bytes(cache.block_size, kv_cache_dtype)
-        num_blocks = max(1, kv_cache_bytes(cache, device, activations) // block_bytes)
+        cap = None if cache.max_total_tokens is None else -(-cache.max_total_tokens // cache.block_size) * block_bytes
+        num_blocks = max(1, kv_cache_bytes(cache, device, activations, cap) // block_bytes)
+    elif cache.max_total_tokens is not None:
+        num_blocks = min(num_blocks, -(-cache.max_total_tokens // cache.block_size))
     if num_blocks * cache.block_size < max_len:
         knob = (
-            "num_blocks"
+            "max_total_tokens"
+            if cache.max_total_tokens is not None and num_blocks * cache.block_size >= cache.max_total_tokens
+            else "num_blocks"
             if cache.num_blocks is not None
             else ("gpu_memory_utilization" if cache.gpu_memory_utilization is not None else "memory_fraction")
         )

@@ -12,12 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from vllm_cluster.engine.config import EngineConfig, EngineRole
 from vllm_cluster.engine.engine_core import EngineCore
 from vllm_cluster.engine.engine_loop import EngineLoop
 from vllm_cluster.engine.kv_offload import Tier
-from vllm_cluster.engine.resolve import CUDA_DEFAULTS, resolve_device
+from vllm_cluster.engine.loader import resolve
+from vllm_cluster.engine.memory import activation_bytes, footprint_bytes, prefill_kv_tokens
+from vllm_cluster.engine.models import ModelArchConfig
+from vllm_cluster.engine.resolve import CUDA_DEFAULTS, max_model_len, resolve_device, with_device_defaults
 from vllm_cluster.engine.tokenizer import load_tokenizer
 from vllm_cluster.kv_index import BlockEventPublisher
 from vllm_cluster.kv_transfer import faults
@@ -37,7 +41,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (overrides the config)")
     parser.add_argument("--instances-per-gpu", type=int, default=1,
                         help="instances sharing this GPU: where the config sets no KV cache size, each takes "
-                             "this share of the default gpu_memory_utilization")
+                             "this share of the default gpu_memory_utilization (a prefill instance at most "
+                             "the KV it needs, see share_gpu)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="with --instances-per-gpu > 1 and no KV cache size in the config: this instance's "
+                             "share of the GPU (a local cluster gives its decode instances what its prefill "
+                             "instances left of the default)")
     parser.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV, ""),
                         help=f"publish prefix-cache block events to this Redis (empty: don't; default "
                              f"${REDIS_URL_ENV}: a password stays out of `ps`)")
@@ -59,19 +68,41 @@ def build_engine(args: argparse.Namespace, role: EngineRole) -> tuple[EngineCore
     config = EngineConfig.from_yaml(args.config).with_overrides(role=role)
     if args.num_threads is not None:
         config = config.with_overrides(num_threads=args.num_threads)
-    config = share_gpu(config, args.instances_per_gpu)
+    config = share_gpu(config, args.instances_per_gpu, args.gpu_memory_utilization)
     core = EngineCore(config)
     path = core.source.tokenizer_path
     return core, (load_tokenizer(path) if path is not None else None)
 
 
-def share_gpu(config: EngineConfig, instances_per_gpu: int) -> EngineConfig:
-    """On CUDA, with no KV cache size in `config`: the default utilization split evenly
-    between the instances sharing the GPU (their fractions must add up to at most 1)."""
+def share_gpu(config: EngineConfig, instances_per_gpu: int, utilization: float | None = None) -> EngineConfig:
+    """On CUDA, with no KV cache size in `config`, how instances sharing one GPU split it
+    (their fractions must add up to at most 1): `utilization` where the launcher gives it
+    (what the instances started before this one left), else an equal part of the default.
+    A prefill instance keeps only the KV it needs (memory.prefill_kv_tokens): it hands each
+    prompt's blocks to a decode instance as they are computed, and the decode side, which
+    holds every running sequence's context, needs the room."""
     if instances_per_gpu <= 1 or config.cache.size_given or resolve_device(config.device).type != "cuda":
         return config
     assert CUDA_DEFAULTS.gpu_memory_utilization is not None
-    return config.with_overrides(gpu_memory_utilization=CUDA_DEFAULTS.gpu_memory_utilization / instances_per_gpu)
+    share = utilization or CUDA_DEFAULTS.gpu_memory_utilization / instances_per_gpu
+    config = config.with_overrides(gpu_memory_utilization=share)
+    if config.role == EngineRole.PREFILL and config.cache.max_total_tokens is None:
+        arch = ModelArchConfig.from_hf_dict(resolve(config.model).hf_config)
+        sched = with_device_defaults(config, torch.device("cuda")).scheduler
+        tokens = prefill_kv_tokens(max_model_len(config, arch.max_position_embeddings), sched)
+        config = config.with_overrides(max_total_tokens=tokens)
+    return config
+
+
+def gpu_footprint(core: EngineCore) -> dict[str, int]:
+    """For the ready file on CUDA: the GPU's size and what this instance holds of it (a
+    launcher sizes the next instance on the same GPU from these); {} elsewhere."""
+    if core.device.type != "cuda":
+        return {}
+    sched = core.config.scheduler
+    activations = activation_bytes(core.model.config, sched, core.dtype.itemsize)
+    return {"gpu_total_bytes": int(torch.cuda.mem_get_info(core.device)[1]),
+            "gpu_bytes": footprint_bytes(core.device, activations)}
 
 
 def cluster_token() -> str:
@@ -113,7 +144,7 @@ def serve(
             on_drain()
 
     announce_and_wait(server, port, args.ready_file, args.drain_grace_s, drain,
-                      metrics_port=metrics_port, **ready_info)
+                      metrics_port=metrics_port, **ready_info, **gpu_footprint(loop.core))
     reporter.close()
     loop.stop()
     metrics.close()

@@ -115,3 +115,54 @@ def test_share_gpu_splits_the_default_only_where_nothing_is_set() -> None:
     assert share_gpu(unset, 2) is unset  # CPU: nothing to split
     sized = EngineConfig.from_kwargs("m", device="cpu", num_blocks=64)
     assert share_gpu(sized, 2) is sized
+
+
+def test_max_total_tokens_caps_the_cache_in_whole_blocks() -> None:
+    from vllm_cluster.engine.llm import LLM
+
+    tiny = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256}
+    llm = LLM("llama-3.2-1b", load_format="dummy", device="cpu", hf_overrides=tiny, max_model_len=256,
+              max_total_tokens=1000)  # memory_fraction 0.1 of this host would give far more
+    assert llm.core.kv.pool.num_blocks == 63  # 1000 tokens in blocks of 16, rounded up
+    with pytest.raises(ConfigError, match="fewer than max_model_len 256: raise cache.max_total_tokens"):
+        LLM("llama-3.2-1b", load_format="dummy", device="cpu", hf_overrides=tiny, max_model_len=256,
+            max_total_tokens=100)
+
+
+def test_a_capped_share_fits_beside_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0.9 of the GPU would not fit beside 63 GiB held elsewhere, but the cap keeps it to 4 GiB.
+    _FakeGpu(monkeypatch, ours=16 * GiB, used_by_others=63 * GiB)
+    assert memory.kv_cache_bytes(_cache(), CUDA, activations=2 * GiB, cap=4 * GiB) == 4 * GiB
+
+
+def test_a_prefill_sharing_the_gpu_keeps_one_prompt_and_two_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_cluster.worker.main as worker
+
+    monkeypatch.setattr(worker, "resolve_device", lambda name: CUDA)  # the arithmetic only: no GPU here
+    prefill = EngineConfig.from_kwargs("llama-3.1-8b", load_format="dummy", max_model_len=8192, role="prefill")
+    shared = share_gpu(prefill, 2)
+    assert shared.cache.gpu_memory_utilization == pytest.approx(0.45)
+    assert shared.cache.max_total_tokens == 8192 + 2 * 8192  # CUDA's max_num_batched_tokens
+    decode = EngineConfig.from_kwargs("llama-3.1-8b", load_format="dummy", max_model_len=8192, role="decode")
+    given = share_gpu(decode, 2, utilization=0.7)  # what the prefill instances left, from the launcher
+    assert (given.cache.gpu_memory_utilization, given.cache.max_total_tokens) == (0.7, None)
+    assert share_gpu(decode, 2).cache.gpu_memory_utilization == pytest.approx(0.45)
+
+
+def test_a_local_cluster_gives_its_decodes_what_the_prefills_left(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from vllm_cluster.cluster.local import LocalCluster, _Process
+
+    path = tmp_path / "c.yaml"
+    path.write_text("engine: {model: llama-3.1-8b, load_format: dummy}\ncluster: {num_prefill: 2, num_decode: 2}\n")
+    cluster = LocalCluster.from_yaml(path)
+    monkeypatch.setattr(cluster, "_engine_on_cuda", lambda: True)  # no GPU here: the arithmetic only
+    monkeypatch.setattr(cluster, "_wait_ready", lambda process: None)
+    info = {"gpu_total_bytes": 100 * GiB, "gpu_bytes": 20 * GiB}
+    prefills = [_Process(f"prefill-{i}", None, path, path, info=info) for i in range(2)]  # type: ignore[arg-type]
+    assert cluster._decode_share(prefills) == ["--gpu-memory-utilization", "0.2500"]  # (0.9 - 0.4) / 2
+    info["gpu_bytes"] = 44 * GiB
+    with pytest.raises(RuntimeError, match="leaving the decode instances nothing"):
+        cluster._decode_share(prefills)
+    monkeypatch.setattr(cluster, "_engine_on_cuda", lambda: False)
+    assert cluster._decode_share(prefills) == []  # CPU: every instance starts at once
