@@ -47,7 +47,7 @@ def bench(name: str, hidden: int, inter: int, num_experts: int, top_k: int) -> N
     block = SparseMoeBlock(hidden, inter, num_experts, top_k).cuda().to(torch.bfloat16)
     for param in block.parameters():
         param.data.normal_(0.0, 0.02)
-    w13, w2 = block.w13_weight, block.w2_weight
+    w13, w2 = block.stack.w13_weight, block.stack.w2_weight
     print(f"{name}: D {hidden}, I {inter}, {num_experts} experts, top-{top_k}, bf16")
     print("tokens  dense_ms  selected_ms  max_abs_diff")
     for num_tokens in BATCHES:

@@ -281,7 +281,7 @@ class CausalLM(nn.Module):
                 continue  # a tensor the model does not use (deepseek.hf_target)
             owner, _, leaf = target.rpartition(".")
             if owner in quantized:
-                assert not isinstance(shard, tuple), "quantized MoE experts are refused by quantize_model"
+                assert not isinstance(shard, tuple), "MoE checkpoints of gptq / awq are refused by check_quantizable"
                 try:
                     quantized[owner].load_shard(leaf, tensor, _SHARD_INDEX.get(shard, 0) if shard is not None else 0)
                 except ModelLoadError as e:

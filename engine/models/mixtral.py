@@ -4,16 +4,19 @@ norms and rotary) with each MLP replaced by a `SparseMoeBlock`: a router, then t
 
 Routing follows HF Mixtral: softmax over the router logits in fp32, top-k, renormalised
 to sum to one (Qwen's MoE blocks, engine/models/qwen_moe.py, reuse this block and
-renormalise only with norm_topk_prob). Experts are stored stacked (`w13_weight` [E, 2I, D]
-= [w1 | w3] per expert, `w2_weight` [E, D, I]), so a rank of expert parallelism keeps a contiguous slice of them
-(`keep_experts`) and the block then returns only its own experts' share of the output:
-the sum over ranks is the full output (engine/parallel/expert.py adds the all-reduce).
-No distributed code here.
+renormalise only with norm_topk_prob). Experts are stored stacked in a `StackedExperts`
+(`w13_weight` [E, 2I, D] = [w1 | w3] per expert, `w2_weight` [E, D, I]), so a rank of expert
+parallelism keeps a contiguous slice of them (`keep_experts`) and the block then returns only
+its own experts' share of the output: the sum over ranks is the full output
+(engine/parallel/expert.py adds the all-reduce). The block multiplies by its experts only
+through the `ExpertStack` methods, so the int8 and fp8 methods put a quantized stack in its
+place from outside (engine/quantization/experts.py). No distributed or quantization code here.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -43,6 +46,64 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
     return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), expert_ids
 
 
+class ExpertStack(Protocol):
+    """A MoE layer's local experts and the four products the block takes of them."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def keep(self, start: int, count: int) -> None:
+        """Drop every expert but local ids start..start+count-1, freeing the rest."""
+        ...
+
+    def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [n, D] -> [n, 2I] = [gate | up] of local expert `expert`."""
+        ...
+
+    def down(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        """h [n, I] -> [n, D] of local expert `expert`."""
+        ...
+
+    def gate_up_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [E, T, 2I]: every local expert on every token."""
+        ...
+
+    def down_all(self, h: torch.Tensor) -> torch.Tensor:
+        """h [E, T, I] -> [E, T, D]: each local expert on its own rows."""
+        ...
+
+
+class StackedExperts(nn.Module):
+    """The unquantized `ExpertStack`: w13_weight [E, 2I, D] = [w1 | w3] per expert, w2_weight
+    [E, D, I], in the model's dtype (the checkpoint's tensors load into them)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_weight.shape[0]
+
+    def keep(self, start: int, count: int) -> None:
+        # Copied, so that the dropped experts are freed.
+        self.w13_weight = nn.Parameter(self.w13_weight.data[start : start + count].clone(), requires_grad=False)
+        self.w2_weight = nn.Parameter(self.w2_weight.data[start : start + count].clone(), requires_grad=False)
+
+    def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return F.linear(x, self.w13_weight[expert])
+
+    def down(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        return F.linear(h, self.w2_weight[expert])
+
+    def gate_up_all(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.w13_weight.transpose(1, 2))
+
+    def down_all(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(h, self.w2_weight.transpose(1, 2))
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(
         self,
@@ -61,33 +122,35 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.intermediate_size = intermediate_size
-        self.expert_start = 0  # global id of w13_weight[0]; >0 on later expert-parallel ranks
+        self.expert_start = 0  # global id of the stack's expert 0; >0 on later expert-parallel ranks
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.router = router
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.stack: ExpertStack = StackedExperts(num_experts, hidden_size, intermediate_size)
 
     @property
     def num_local_experts(self) -> int:
-        return self.w13_weight.shape[0]
+        return self.stack.num_experts
 
     def keep_experts(self, start: int, count: int) -> None:
-        """Drop every expert but global ids start..start+count-1 (copied, so the rest is freed)."""
+        """Drop every expert but global ids start..start+count-1 (the rest is freed)."""
         assert start >= 0 and start + count <= self.num_experts, (start, count, self.num_experts)
         assert self.expert_start == 0 and self.num_local_experts == self.num_experts, "already sharded"
-        self.w13_weight = nn.Parameter(self.w13_weight.data[start : start + count].clone(), requires_grad=False)
-        self.w2_weight = nn.Parameter(self.w2_weight.data[start : start + count].clone(), requires_grad=False)
+        self.stack.keep(start, count)
         self.expert_start = start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> the local experts' weighted outputs summed per token, [T, D]."""
-        if self.router is None:
-            weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
-        else:
-            weights, expert_ids = self.router(F.linear(x.float(), self.gate.weight.float()))
+        weights, expert_ids = self.select_experts(x)  # [T, K] each
         if x.is_cuda and (x.shape[0] <= DENSE_MAX_TOKENS_CUDA or torch.cuda.is_current_stream_capturing()):
             return self.forward_dense(x, weights, expert_ids)
         return self.forward_grouped(x, weights, expert_ids)
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, K] fp32, expert_ids [T, K] global ids): the routing."""
+        if self.router is None:
+            return route(self.gate(x), self.top_k, self.renormalize)
+        weights, expert_ids = self.router(F.linear(x.float(), self.gate.weight.float()))
+        return weights, expert_ids
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Each local expert runs once, on exactly the tokens routed to it: the (token, k)
@@ -105,8 +168,8 @@ class SparseMoeBlock(nn.Module):
         for e in range(self.num_local_experts):
             lo, hi = bounds[first + e] - bounds[first], bounds[first + e + 1] - bounds[first]
             if lo < hi:
-                h = silu_and_mul(F.linear(x_local[lo:hi], self.w13_weight[e]))  # [n, I]
-                y_local[lo:hi] = F.linear(h, self.w2_weight[e])
+                h = silu_and_mul(self.stack.gate_up(x_local[lo:hi], e))  # [n, I]
+                y_local[lo:hi] = self.stack.down(h, e)
         y = x.new_zeros(num_tokens * top_k, x.shape[-1])  # other ranks' slots stay zero
         y[local_slots] = y_local
         # Sum over k in a fixed order (no atomics): the same result every run.
@@ -123,8 +186,8 @@ class SparseMoeBlock(nn.Module):
         # The extra last column collects other ranks' experts and is dropped.
         combine = x.new_zeros(x.shape[0], num_local + 1)
         combine.scatter_(1, torch.where(is_local, local_ids, num_local), weights.to(x.dtype))
-        h = silu_and_mul(torch.matmul(x, self.w13_weight.transpose(1, 2)))  # [E, T, I]
-        y = torch.matmul(h, self.w2_weight.transpose(1, 2))  # [E, T, D]
+        h = silu_and_mul(self.stack.gate_up_all(x))  # [E, T, I]
+        y = self.stack.down_all(h)  # [E, T, D]
         return torch.einsum("te,etd->td", combine[:, :num_local], y)
 
 
@@ -132,10 +195,10 @@ def hf_target(name: str) -> tuple[str, ExpertShard | None] | None:
     """An HF Mixtral checkpoint name -> (our parameter, expert shard); None if not MoE.
 
     `...block_sparse_moe.gate.weight` is the router; `...block_sparse_moe.experts.{e}.w1/w3`
-    fill rows of w13_weight[e], `w2` fills w2_weight[e]."""
+    fill rows of `mlp.stack.w13_weight[e]`, `w2` fills `mlp.stack.w2_weight[e]`."""
     match = _HF_EXPERT.search(name)
     if match is not None:
-        prefix, expert, part = name[: match.start()] + ".mlp.", int(match[1]), match[2]
+        prefix, expert, part = name[: match.start()] + ".mlp.stack.", int(match[1]), match[2]
         if part == "w2":
             return prefix + "w2_weight", (expert, 0)
         return prefix + "w13_weight", (expert, 0 if part == "w1" else 1)

@@ -56,11 +56,11 @@ def hf_target(name: str) -> tuple[str, ExpertShard | None] | None:
     """An HF Qwen MoE checkpoint name -> (our parameter, expert shard); None if not one.
 
     `...mlp.gate.weight` is the router (ours: `mlp.experts.gate`); `...mlp.experts.{e}.
-    gate_proj/up_proj` fill the rows of w13_weight[e], `down_proj` fills w2_weight[e]. The
-    shared expert's and a dense layer's names are left to the dense mapping."""
+    gate_proj/up_proj` fill the rows of `mlp.experts.stack.w13_weight[e]`, `down_proj` fills
+    `w2_weight[e]`. The shared expert's and a dense layer's names are left to the dense mapping."""
     match = _HF_EXPERT.search(name)
     if match is not None:
-        prefix, expert, part = name[: match.start()] + ".mlp.experts.", int(match[1]), match[2]
+        prefix, expert, part = name[: match.start()] + ".mlp.experts.stack.", int(match[1]), match[2]
         if part == "down_proj":
             return prefix + "w2_weight", (expert, 0)
         return prefix + "w13_weight", (expert, _PART[part])

@@ -34,8 +34,12 @@ engine/loader loads, engine/models/llama.py delegates):
 - Every forward must be CUDA-graph capturable: no host syncs, no .item(), no shapes that
   depend on values. Modules keep their tensors as buffers or parameters (moved with
   the model).
-- Mixture-of-experts models (stacked expert weights) are refused by the swap; tensor and
-  pipeline parallelism with quantization are refused by the config.
+- Mixture-of-experts routed experts (stacked, not nn.Linear) have an online path only: the
+  online methods also define `quantize_experts(w13, w2)`, a quantized stack that replaces a
+  `SparseMoeBlock`'s (engine/quantization/experts.py), and quantize DeepSeek's MLA
+  projections but the absorbed kv_b_proj; the checkpoint methods refuse MoE and MLA models
+  (swap.check_quantizable). Tensor and pipeline parallelism with quantization are refused by
+  the config.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""FP8 (online): weights become float8_e4m3fn with one fp32 scale per output channel
+"""FP8 (online): weights (each linear's, and each routed MoE expert's:
+engine/quantization/experts.py) become float8_e4m3fn with one fp32 scale per output channel
 (scale = amax(|w_row|) / 448). Up to kernels/linear/dispatch.FP8_WEIGHT_ONLY_MAX_ROWS rows
 (decode) the product is weight-only (w8a16: a Triton GEMV / tile kernel widens the fp8
 weight in registers); above, W8A8: activations are quantized per token at run time
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_cluster.engine.quantization.experts import W8Format
 from vllm_cluster.engine.quantization.online import OnlineMethod
 from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
 from vllm_cluster.kernels.linear.dispatch import (
@@ -35,6 +37,14 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.reshape(-1)[:, None]
 
 
+def check_fp8_shape(out_features: int, in_features: int, device: torch.device) -> None:
+    if device.type == "cuda" and (in_features % 16 or out_features % 16):
+        raise ValueError(
+            f"fp8 on CUDA needs in/out features divisible by 16 (torch._scaled_mm); got "
+            f"{in_features} x {out_features}: use quantization 'int8' for this model"
+        )
+
+
 class Fp8Linear(nn.Module):
     """x [T, in_features] -> [T, out_features] with an fp8 weight and fp8 activations."""
 
@@ -42,11 +52,7 @@ class Fp8Linear(nn.Module):
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
-        if device.type == "cuda" and (in_features % 16 or out_features % 16):
-            raise ValueError(
-                f"fp8 on CUDA needs in/out features divisible by 16 (torch._scaled_mm); got "
-                f"{in_features} x {out_features}: use quantization 'int8' for this model"
-            )
+        check_fp8_shape(out_features, in_features, device)
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer(
@@ -91,6 +97,14 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 (w8a16 decode, w8a8 prefill)"
 
 
+def _fp8_product(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return fp8_linear(x, qweight, scale[None, :], None)  # scale [1, N], as Fp8Linear keeps it
+
+
+FP8_EXPERTS = W8Format("fp8", torch.float8_e4m3fn, quantize_fp8, _fp8_product, check_fp8_shape)
+
+
 class Fp8Method(OnlineMethod):
     name = "fp8"
     linear_class = Fp8Linear
+    expert_format = FP8_EXPERTS

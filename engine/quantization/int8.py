@@ -1,7 +1,8 @@
-"""INT8 weight-only quantization (online): each linear's weight becomes int8 with one
-fp32 scale per output channel, symmetric: scale = amax(|w_row|) / 127,
-q = clamp(round(w / scale), -127, 127). Activations stay in the model's dtype; the
-matmul dequantizes on the fly (kernels/linear/dispatch.int8_linear: Triton on CUDA).
+"""INT8 weight-only quantization (online): each linear's weight, and each routed MoE
+expert's (engine/quantization/experts.py), becomes int8 with one fp32 scale per output
+channel, symmetric: scale = amax(|w_row|) / 127, q = clamp(round(w / scale), -127, 127).
+Activations stay in the model's dtype; the matmul dequantizes on the fly
+(kernels/linear/dispatch.int8_linear: Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_cluster.engine.quantization.experts import W8Format
 from vllm_cluster.engine.quantization.online import OnlineMethod
 from vllm_cluster.kernels.linear.add_norm import AddNorm, Normed
 from vllm_cluster.kernels.linear.dispatch import int8_linear, w8_linear_add_norm, w8_linear_normed, w8_linear_silu_mul
@@ -78,6 +80,18 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
+def _int8_product(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return int8_linear(x, qweight, scale, None)
+
+
+def _any_shape(out_features: int, in_features: int, device: torch.device) -> None:
+    """The int8 kernels take every shape."""
+
+
+INT8_EXPERTS = W8Format("int8", torch.int8, quantize_int8, _int8_product, _any_shape)
+
+
 class Int8Method(OnlineMethod):
     name = "int8"
     linear_class = Int8Linear
+    expert_format = INT8_EXPERTS

@@ -73,12 +73,13 @@ def prefill_logits(
 ) -> list[torch.Tensor]:
     """Every prompt in one varlen prefill batch through our model; each prompt's logits [S, V]
     (under tensor parallelism: on the group's first rank; [S, V / tp] elsewhere). On CPU.
-    `kv_cache_dtype`: the cache's (fp8: kernels/fp8_kv.py); None, the model's."""
+    `kv_cache_dtype`: the cache's (fp8: kernels/fp8_kv.py); None, the model's. MLA models
+    (DeepSeek) get their latent cache."""
     c = model.config
     device = model.model.embed_tokens.weight.device
     attention = model.model.layers[0].self_attn
-    assert isinstance(attention, Attention)
-    num_kv_heads = attention.num_kv_heads  # this rank's share under tensor parallelism
+    # this rank's share under tensor parallelism; MLA caches one latent per token
+    num_kv_heads = attention.num_kv_heads if isinstance(attention, Attention) else None
     lens = [len(p) for p in prompts]
     num_blocks = [-(-n // block_size) for n in lens]
     firsts = [0, *itertools.accumulate(num_blocks)]
@@ -100,7 +101,7 @@ def prefill_logits(
         max_seq_len=max(lens),
         cpu_plan=make_plan(query_start_loc, lens) if device.type == "cpu" else None,
     )
-    shape = (firsts[-1], 2, block_size, num_kv_heads, c.head_dim)
+    shape = c.kv_cache_shape(firsts[-1], block_size, num_kv_heads)
     dtype = kv_cache_dtype or model.model.embed_tokens.weight.dtype
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
     input_ids = torch.tensor([t for p in prompts for t in p], device=device)

@@ -72,7 +72,7 @@ def test_rank_zero_holds_half_the_experts_and_heads(expert_parallel: LLM) -> Non
     blocks = moe_blocks(model)
     assert len(blocks) == 2
     assert [(b.expert_start, b.num_local_experts, b.intermediate_size) for b in blocks] == [(0, 4, 256)] * 2
-    assert tuple(blocks[0].w13_weight.shape) == (4, 2 * 256, 128)  # whole experts, not slices of each
+    assert tuple(blocks[0].stack.w13_weight.shape) == (4, 2 * 256, 128)  # whole experts, not slices of each
     attn = model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
 

@@ -38,8 +38,8 @@ def test_matches_the_reference_and_the_model_block(num_tokens: int, dtype: torch
     torch.testing.assert_close(got, reference.moe_selected_experts(x, w13, w2, weights, expert_ids), atol=tol, rtol=tol)
     block = SparseMoeBlock(HIDDEN, INTER, NUM_EXPERTS, TOP_K).to(DEVICE)
     with torch.no_grad():
-        block.w13_weight.copy_(w13.float())
-        block.w2_weight.copy_(w2.float())
+        block.stack.w13_weight.copy_(w13.float())
+        block.stack.w2_weight.copy_(w2.float())
         dense = block.forward_dense(x.float(), weights, expert_ids)
     torch.testing.assert_close(got.float(), dense, atol=tol, rtol=tol)
 

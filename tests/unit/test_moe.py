@@ -33,8 +33,8 @@ def _reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(block.gate(x[t]), dim=-1)
         top, ids = probs.topk(TOP_K)
         for weight, e in zip(top / top.sum(), ids.tolist(), strict=True):
-            gate, up = F.linear(x[t], block.w13_weight[e]).chunk(2)
-            out[t] += weight * F.linear(F.silu(gate) * up, block.w2_weight[e])
+            gate, up = F.linear(x[t], block.stack.w13_weight[e]).chunk(2)
+            out[t] += weight * F.linear(F.silu(gate) * up, block.stack.w2_weight[e])
     return out
 
 

@@ -1,6 +1,6 @@
 """INT8 and FP8 formats against references written from their descriptions, the
 quantized linears against the definitions in kernels/linear/reference.py, and how a method is
-chosen or refused (config, checkpoint's quantization_config, MoE)."""
+chosen or refused (config, checkpoint's quantization_config, MoE checkpoints)."""
 
 from __future__ import annotations
 
@@ -200,9 +200,11 @@ def test_engine_refuses_a_checkpoint_of_another_format(tmp_path: Path) -> None:
         LLM(str(tmp_path), quantization="fp8", **{**ENGINE, "hf_overrides": {}})
 
 
-def test_moe_models_are_refused() -> None:
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        LLM("mixtral-tiny", quantization="int8", load_format="dummy", device="cpu", dtype="float32", num_blocks=32)
+def test_checkpoint_methods_refuse_moe_models() -> None:
+    """The online methods quantize MoE experts (tests/unit/test_quantized_experts.py); a gptq or
+    awq checkpoint packs linear layers only."""
+    with pytest.raises(ConfigError, match=r"'gptq' does not support mixture-of-experts.*'fp8' or 'int8'"):
+        LLM("mixtral-tiny", quantization="gptq", load_format="dummy", device="cpu", dtype="float32", num_blocks=32)
 
 
 @pytest.mark.parametrize(("method", "module_type"), [("int8", Int8Linear), ("fp8", Fp8Linear)])
