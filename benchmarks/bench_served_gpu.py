@@ -10,7 +10,8 @@ request sent at once, `ignore_eos`. Offline runs in a process of its own. Served
 --modes and --stream-intervals value, each cluster started fresh: `colocated` is one decode
 instance computing its prompts itself (what the served path costs); `disaggregated` is one
 prefill and one decode instance sharing the GPU, every prompt computed by the prefill and
-its KV handed over by --transport; the clients use --backend (the router's gRPC API, or
+its KV handed over by --transport (`disaggregated-late`: the same, the first token sent by the
+decode instance rather than by the router as the prefill answers); the clients use --backend (the router's gRPC API, or
 its OpenAI HTTP front). Prints output tokens/s and each served run's ratio to offline;
 then, on the same warm cluster, the median time to first token at concurrency 1
 over --ttft-prompts fresh prompts of --input-len tokens (the figure that compares a prefill
@@ -62,10 +63,11 @@ def offline(args: argparse.Namespace, tmp: Path) -> float:
 
 
 def served(args: argparse.Namespace, tmp: Path, mode: str, stream_interval: int) -> dict:
-    disaggregated = mode == "disaggregated"
+    disaggregated = mode.startswith("disaggregated")
     config = {"engine": engine_section(args, stream_interval),
               "cluster": {"num_prefill": int(disaggregated), "num_decode": 1, "transport": args.transport},
-              "router": {"min_prefill_tokens": 0 if disaggregated else 1 << 30, "queue_timeout_s": 600}}
+              "router": {"min_prefill_tokens": 0 if disaggregated else 1 << 30, "queue_timeout_s": 600,
+                         "early_first_token": mode != "disaggregated-late"}}
     path = tmp / f"served-{mode}-{stream_interval}.yaml"
     path.write_text(yaml.safe_dump(config))
     name = f"served-{mode}-{stream_interval}.json"
@@ -95,7 +97,8 @@ def main() -> None:
     parser.add_argument("--range-ratio", type=float, default=0.5)
     parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--stream-intervals", default="1,8")
-    parser.add_argument("--modes", default="colocated", help="comma-separated: colocated, disaggregated")
+    parser.add_argument("--modes", default="colocated",
+                        help="comma-separated: colocated, disaggregated, disaggregated-late")
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
     parser.add_argument("--transport", default="cuda_ipc", help="KV hand-off (disaggregated)")
     parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's own (two instances on one "

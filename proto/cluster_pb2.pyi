@@ -132,7 +132,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed", "num_kv_blocks_sent", "prefill_cached_tokens", "decode_cached_tokens", "migrations", "num_kv_blocks_pulled")
+    __slots__ = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s", "ttft_s", "total_s", "prefill_skipped", "recomputed", "num_kv_blocks_sent", "prefill_cached_tokens", "decode_cached_tokens", "migrations", "num_kv_blocks_pulled", "first_token_early")
     ROUTER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class Timings(_message.Message):
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_EARLY_FIELD_NUMBER: _ClassVar[int]
     router_s: float
     prefill_queue_s: float
     prefill_compute_s: float
@@ -161,7 +162,8 @@ class Timings(_message.Message):
     decode_cached_tokens: int
     migrations: int
     num_kv_blocks_pulled: int
-    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., num_kv_blocks_pulled: _Optional[int] = ...) -> None: ...
+    first_token_early: bool
+    def __init__(self, router_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_skipped: _Optional[bool] = ..., recomputed: _Optional[bool] = ..., num_kv_blocks_sent: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., num_kv_blocks_pulled: _Optional[int] = ..., first_token_early: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "timings", "prompt_logprobs")

@@ -16,6 +16,7 @@ import grpc
 from vllm_cluster.proto import cluster_pb2 as pb
 from vllm_cluster.router.calls import abort, end_aborted
 from vllm_cluster.router.decode_outputs import DecodeOutputs, OutputsLost, RequestOutputs
+from vllm_cluster.router.first_token import EarlyToken, drop_early_token
 from vllm_cluster.router.handoff import Handoff, HandoffState
 from vllm_cluster.router.migration import DecodeLost, Progress
 from vllm_cluster.router.registry import Instance, Registry
@@ -84,20 +85,26 @@ class DecodeLeg:
 
     def relay(
         self, handoff: Handoff, decode: Instance, outputs: RequestOutputs, timings: pb.Timings, arrival: float,
-        context: grpc.ServicerContext, progress: Progress,
+        context: grpc.ServicerContext, progress: Progress, early: EarlyToken | None = None,
     ) -> Iterator[pb.GenerateResponse]:
+        """`early`: the first token, which the client has already (router/first_token.py)."""
         first = True
         try:
             for response in outputs:
                 if first:
-                    if not progress.token_ids:
-                        timings.ttft_s = time.monotonic() - arrival
+                    if early is not None or not progress.token_ids:
                         timings.decode_queue_s = response.timings.decode_queue_s
+                    if early is None and not progress.token_ids:
+                        timings.ttft_s = time.monotonic() - arrival
                     timings.transfer_s += response.timings.transfer_s
                     timings.recomputed = timings.recomputed or response.timings.recomputed
                     if not progress.token_ids and not response.prompt_logprobs:  # computed by prefill
                         response.prompt_logprobs.extend(progress.prompt_logprobs)
                     first = False
+                    if early is not None and drop_early_token(response, early) and not (
+                        response.token_ids or response.text or response.finish_reason
+                    ):
+                        continue  # it held only the token sent ahead
                 if progress.pending_text:
                     response.text = progress.pending_text + response.text
                     progress.pending_text = ""

@@ -43,6 +43,7 @@ from vllm_cluster.proto import cluster_pb2_grpc as pb_grpc
 from vllm_cluster.router.abort_rights import AbortRights
 from vllm_cluster.router.calls import abort, end_aborted
 from vllm_cluster.router.decode_leg import DecodeLeg
+from vllm_cluster.router.first_token import EarlyToken, early_first_token
 from vllm_cluster.router.handoff import Handoff, HandoffState
 from vllm_cluster.router.lora_adapters import LoRAAdapterCallError, LoRAAdapters
 from vllm_cluster.router.migration import DecodeLost, Progress, continuation, held_back_text, remaining_tokens
@@ -215,6 +216,14 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     handoff, request, reservation, overlap, timings, context)
                 if prefilled is not None and not progress.migrations:
                     progress.prompt_logprobs = list(prefilled.prompt_logprobs)
+                early = self._early_first_token(request, prefilled, progress)
+                if early is not None:  # the client has it now; the decode instance's copy is dropped
+                    progress.token_ids.append(early.token_id)
+                    progress.text += early.text
+                    timings.ttft_s = time.monotonic() - arrival
+                    timings.first_token_early = True
+                    yield pb.GenerateResponse(request_id=request.request_id, token_ids=[early.token_id],
+                                              text=early.text)
                 if not handoff.advance(HandoffState.DECODING):
                     end_aborted(context, handoff)
                 outputs = self._decode_leg.open_outputs(decode, request.request_id)
@@ -225,12 +234,21 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     outputs.close()
                     raise
             try:
-                yield from self._decode_leg.relay(handoff, decode, outputs, timings, arrival, context, progress)
+                yield from self._decode_leg.relay(handoff, decode, outputs, timings, arrival, context, progress, early)
             finally:
                 outputs.close()
         finally:
             self._registry.release(decode)
             self._placement.room_freed()  # queued requests try again
+
+    def _early_first_token(
+        self, request: pb.WorkerRequest, prefilled: pb.PrefillResponse | None, progress: Progress
+    ) -> EarlyToken | None:
+        """The prefill's first token, where the router sends it ahead (router/first_token.py):
+        not on a replayed leg, whose text continues what the lost instance held back."""
+        if prefilled is None or progress.migrations or not self._config.early_first_token:
+            return None
+        return early_first_token(self._tokenizer, request, prefilled)
 
     def _finish_without_decode(
         self, request: pb.WorkerRequest, progress: Progress, timings: pb.Timings, arrival: float

@@ -54,6 +54,9 @@ class RouterConfig:
     policy: str = "least_loaded"  # one of POLICIES
     # Prompts with fewer uncached tokens than this skip prefill: decode computes them.
     min_prefill_tokens: int = 64
+    # Send the prefill's first token to the client as soon as the prefill answers, instead of
+    # after the decode instance takes the request in (router/first_token.py says when it can).
+    early_first_token: bool = True
     on_transfer_failure: str = "recompute"  # or "fail"
     # A decode instance lost mid-stream: replay prompt + tokens so far on another, up to this
     # many times per request (0: the client gets UNAVAILABLE / an error frame instead).

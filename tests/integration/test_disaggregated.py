@@ -115,6 +115,28 @@ def test_concurrent_requests_equal_colocated(cluster: LocalCluster, client: Clie
     _assert_blocks_return(cluster)
 
 
+def test_the_prefills_first_token_goes_out_ahead(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
+    """The router streams the prefill's first token as the prefill answers and drops the
+    decode instance's copy: the stream is still offline's, token for token and in text."""
+    prompt = PROMPTS[1]
+    for max_tokens in (12, 1):  # 1: the decode instance's only message then holds just the end
+        expected = smollm2.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0]
+        with client.stream(text=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout_s=300) as s:
+            pieces = list(s)
+        assert list(pieces[0].token_ids) == expected.token_ids[:1] and pieces[0].text
+        assert [t for p in pieces for t in p.token_ids] == expected.token_ids
+        assert "".join(p.text for p in pieces) == expected.text
+        last = pieces[-1]
+        assert last.timings.first_token_early and last.usage.completion_tokens == max_tokens
+    # A stop string might begin in that token's text: the decode instance sends it, as before.
+    result = client.generate(text=prompt, max_tokens=4, temperature=0, ignore_eos=True, stop=["\n\n\n\n"],
+                             timeout_s=300)
+    assert result.timings is not None and not result.timings.first_token_early
+    assert result.token_ids == _colocated(smollm2, [prompt], 4)[0]
+    _assert_blocks_return(cluster)
+
+
 def test_chat_and_stop_string(cluster: LocalCluster, client: Client, smollm2: LLM) -> None:
     chat = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
     params = SamplingParams(temperature=0, max_tokens=40, stop=["five"])
