@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--host-kv-gib", type=float, default=8.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="print torch.profiler's tables for the last host pass (its time then counts the profiler)")
     args = parser.parse_args()
     block_size = 16
     prompt_len = args.prefix_len + args.suffix_len
@@ -95,7 +97,16 @@ def main() -> None:
         for _ in range(2):  # two prompts as long as the cache: every block of `prompt` goes to the host tier
             timed(llm, tokens(filler_len))
         hits_before = kv.offload.stats[Tier.HOST].num_hit_blocks
-        host_s, again = timed(llm, prompt)
+        if args.profile and rep == args.reps:  # the last host pass, under the profiler
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                host_s, again = timed(llm, prompt)
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=48)
+            print(f"host pass under the profiler ({host_s * 1e3:.1f} ms), by GPU time:\n{table}", flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48),
+                  flush=True)
+        else:
+            host_s, again = timed(llm, prompt)
         num_loaded = kv.offload.stats[Tier.HOST].num_hit_blocks - hits_before
         assert num_loaded == args.prefix_len // block_size, f"loaded {num_loaded} blocks from the host tier"
         device_s, _ = timed(llm, prompt)
