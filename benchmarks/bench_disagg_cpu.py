@@ -1,5 +1,7 @@
 """Disaggregated (1 prefill + 1 decode) against colocated (the decode instance computes the
-prompt itself), same cluster processes, same run, on CPU: time to first token broken into
+prompt itself), same cluster processes, same run, on CPU, and disaggregated with the first
+token sent by the decode instance (`early_first_token: false`) rather than by the router as
+the prefill answers: time to first token broken into
 router, prefill queue, prefill compute, KV transfer and decode queue; and the end-to-end
 throughput of a batch of concurrent requests.
 
@@ -59,10 +61,12 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
     rows = []
-    for mode, min_prefill in (("disaggregated", 0), ("colocated", 1 << 30)):
+    modes = (("disaggregated", 0, True), ("disaggregated, first token from decode", 0, False),
+             ("colocated", 1 << 30, True))
+    for mode, min_prefill, early in modes:
         prompts = [[rng.randrange(100, 49000) for _ in range(args.input_len)] for _ in range(args.num_requests)]
         config = {"engine": ENGINE, "cluster": {"num_prefill": 1, "num_decode": 1, "transport": args.transport},
-                  "router": {"min_prefill_tokens": min_prefill}}
+                  "router": {"min_prefill_tokens": min_prefill, "early_first_token": early}}
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "bench.yaml"
             path.write_text(yaml.safe_dump(config))
