@@ -21,7 +21,9 @@ Invariants:
   - The tiers' contents are sets of hashes, each with the KV its hash names.
   - A load is a prefix: it stops at the first hash that is in no tier or fails to load
     (a corrupt or missing file), and the caller recomputes from there.
-  - On CUDA the copies run on the current stream, in order with the steps; a read of host
+  - On CUDA a copy to the host gathers its blocks on the current stream, in order with the
+    steps, and crosses to the host on a copy stream of its own (overlapping a load queued
+    after it); a load from a host slot still being written waits for that copy. A read of host
     memory on the CPU (a disk write) first waits for the copies into it.
 """
 
@@ -38,6 +40,9 @@ import torch
 from vllm_cluster.engine.block_hash import BlockHash
 from vllm_cluster.engine.errors import ConfigError
 from vllm_cluster.engine.kv_tiers import DiskTier, HostTier
+
+# Device memory that gathered blocks may hold while their copy to the host is in flight.
+_MAX_STAGED_BYTES = 512 << 20
 
 
 class Tier(str, enum.Enum):
@@ -72,6 +77,13 @@ class DiskTierConfig:
 TierEvent = Callable[[Tier, bool, list[BlockHash]], None]  # (tier, stored?, hashes)
 
 
+@dataclass(slots=True, frozen=True)
+class _Staged:
+    done: torch.cuda.Event
+    num_bytes: int
+    slots: frozenset[int]
+
+
 @dataclass(slots=True)
 class _Pending:
     block_ids: list[int] = field(default_factory=list)
@@ -91,7 +103,11 @@ class KVOffload:
         self.block_bytes = sum(c[0].numel() * c.element_size() for c in kv_caches)
         self.stats = {Tier.HOST: TierStats(), Tier.DISK: TierStats()}
         self.on_event: TierEvent | None = None  # the prefix index's feed
+        # On CUDA the copies to the host run on a stream of their own: the device-to-host
+        # transfer overlaps the step and any host-to-device load queued after it.
+        self._copy_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._copy_event: torch.cuda.Event | None = None
+        self._staged: list[_Staged] = []  # copies to the host in flight, oldest first
 
     # -- device -> tiers -----------------------------------------------------------------
 
@@ -142,14 +158,50 @@ class KVOffload:
     def _copy_out(self, pending: _Pending) -> None:
         if not pending.slots:
             return
-        ids = torch.tensor(pending.block_ids, device=self.device)
-        for cache, buffer in zip(self._bytes(self.kv_caches), self._bytes(self.host.buffers), strict=True):
-            staging = cache.index_select(0, ids)  # [n, 2, block_size, heads, head_dim * element size]
-            for start, end, slot in _runs(pending.slots):
-                buffer[slot : slot + end - start].copy_(staging[start:end], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copy_event = torch.cuda.Event()
-            self._copy_event.record()
+        if self._copy_stream is None:  # CPU: plain synchronous copies
+            ids = torch.tensor(pending.block_ids)
+            for cache, buffer in zip(self._bytes(self.kv_caches), self._bytes(self.host.buffers), strict=True):
+                _scatter_runs(cache.index_select(0, ids), buffer, pending.slots)
+            return
+        # The blocks are gathered on the compute stream (device to device, in order before any
+        # later write to them), then sent to the host from that copy on the copy stream. At
+        # most _MAX_STAGED_BYTES of gathered copies wait there; past that the compute stream
+        # waits for the oldest.
+        compute = torch.cuda.current_stream(self.device)
+        per_block = max(1, self.block_bytes)
+        chunk = max(1, _MAX_STAGED_BYTES // 2 // per_block)
+        for start in range(0, len(pending.slots), chunk):
+            block_ids, slots = pending.block_ids[start : start + chunk], pending.slots[start : start + chunk]
+            self._bound_staging(compute, len(block_ids) * per_block)
+            ids = self._device_index(block_ids)
+            staged = [cache.index_select(0, ids) for cache in self._bytes(self.kv_caches)]
+            self._copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self._copy_stream):
+                for staging, buffer in zip(staged, self._bytes(self.host.buffers), strict=True):
+                    _scatter_runs(staging, buffer, slots)
+                    staging.record_stream(self._copy_stream)  # kept until the copy is done
+                event = torch.cuda.Event()
+                event.record()
+            self._staged.append(_Staged(event, len(block_ids) * per_block, frozenset(slots)))
+            self._copy_event = event
+
+    def _bound_staging(self, compute: torch.cuda.Stream, incoming: int) -> None:
+        """Make the compute stream wait for the oldest copies until `incoming` more bytes fit."""
+        self._staged = [staged for staged in self._staged if not staged.done.query()]
+        while self._staged and sum(staged.num_bytes for staged in self._staged) + incoming > _MAX_STAGED_BYTES:
+            compute.wait_event(self._staged.pop(0).done)
+
+    def _await_slots(self, slots: list[int]) -> None:
+        """Make the compute stream wait for the copies still writing any of these host slots."""
+        wanted = set(slots)
+        compute = torch.cuda.current_stream(self.device)
+        for staged in self._staged:
+            if not staged.slots.isdisjoint(wanted):
+                compute.wait_event(staged.done)
+
+    def _device_index(self, block_ids: list[int]) -> torch.Tensor:
+        """Block ids on the device without a host sync (from pinned memory, asynchronously)."""
+        return torch.tensor(block_ids, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
 
     def sync(self) -> None:
         """Wait for the copies queued so far (before the CPU reads host memory, or before
@@ -157,6 +209,7 @@ class KVOffload:
         if self._copy_event is not None:
             self._copy_event.synchronize()
             self._copy_event = None
+            self._staged.clear()
 
     # -- tiers -> device -----------------------------------------------------------------
 
@@ -214,7 +267,12 @@ class KVOffload:
             return
         order = sorted(range(len(slots)), key=lambda i: slots[i])
         slots = [slots[i] for i in order]
-        ids = torch.tensor([block_ids[i] for i in order], device=self.device)
+        sorted_ids = [block_ids[i] for i in order]
+        if self._copy_stream is None:
+            ids = torch.tensor(sorted_ids)
+        else:
+            self._await_slots(slots)  # a block evicted moments ago may still be on its way here
+            ids = self._device_index(sorted_ids)
         for cache, buffer in zip(self._bytes(self.kv_caches), self._bytes(self.host.buffers), strict=True):
             staging = torch.empty((len(slots), *cache.shape[1:]), dtype=cache.dtype, device=self.device)
             for start, end, slot in _runs(slots):
@@ -258,6 +316,12 @@ class KVOffload:
     def _emit(self, tier: Tier, stored: bool, block_hashes: list[BlockHash]) -> None:
         if block_hashes and self.on_event is not None:
             self.on_event(tier, stored, block_hashes)
+
+
+def _scatter_runs(staged: torch.Tensor, buffer: torch.Tensor, slots: list[int]) -> None:
+    """staged[i] -> buffer[slots[i]], one copy per run of consecutive slots."""
+    for start, end, slot in _runs(slots):
+        buffer[slot : slot + end - start].copy_(staged[start:end], non_blocking=True)
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_cluster.engine import kv_offload
 from vllm_cluster.engine.block_hash import BlockHash
 from vllm_cluster.engine.config import CacheConfig
 from vllm_cluster.engine.errors import ConfigError
@@ -263,3 +264,25 @@ def test_blocks_round_trip_bit_exact_through_host_and_disk(tmp_path: Path, dtype
     for layer, cache in enumerate(caches):
         assert torch.equal(cache[3].view(torch.uint8), original[0][layer].view(torch.uint8))
         assert torch.equal(cache[0].view(torch.uint8), original[1][layer].view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream needs a CUDA GPU")
+def test_copy_stream_orders_evictions_loads_and_overwrites_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a block's copy to the host crosses on a stream of its own; a load from a slot
+    still being written, and the next step's writes into the evicted blocks, still see the
+    KV the block held when it was evicted. Staging bounded to 1 MiB: many chunks, the
+    compute stream waiting on the oldest."""
+    monkeypatch.setattr(kv_offload, "_MAX_STAGED_BYTES", 1 << 20)
+    num_blocks, shape = 64, (2, 16, 8, 128)
+    caches = [torch.randn((num_blocks, *shape), device="cuda").to(torch.bfloat16) for _ in range(4)]
+    offload = KVOffload(caches, 2 * num_blocks)
+    expected = [c.clone() for c in caches]
+    hashes = [BlockHash(i.to_bytes(16, "little")) for i in range(num_blocks)]
+    ids = list(range(num_blocks))
+    offload.on_evict(ids, hashes)
+    for cache in caches:  # the compute stream reuses every evicted block at once
+        cache.fill_(-1)
+    assert offload.load(hashes, ids[::-1]) == [Tier.HOST] * num_blocks  # straight back, reversed
+    torch.cuda.synchronize()
+    for cache, original in zip(caches, expected, strict=True):
+        assert torch.equal(cache.view(torch.uint8), original.flip(0).view(torch.uint8))
