@@ -10,7 +10,10 @@ to --max-tokens each. Dummy weights come without a tokenizer, so the grammar is 
 against the bundled SmolLM2 tokenizer (49,152 tokens) with the bitmask sized to the
 model's vocabulary (128,256): the host-side mask work is that of a 49k-token vocabulary,
 the device-side masking that of the model's. Constrained requests end when the schema is
-complete, so each row reports its own token count. Every row: the same engine, warmed up.
+complete, so their batch thins out towards its end; each constrained row is therefore also
+compared with the same requests unconstrained and cut to the same lengths (`max_tokens` =
+each request's constrained length, `ignore_eos`): the same tokens and batch sizes, only the
+grammar's work missing, which is its cost. Every row: the same engine, warmed up.
 """
 
 from __future__ import annotations
@@ -76,13 +79,20 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dic
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    tokens = sum(lengths)
     valid = 0
     for output, p in zip(outputs, params, strict=True):
         if p.structured_outputs is not None and output.outputs[0].finish_reason == "stop":
             valid += 1
     return {"elapsed_s": round(elapsed, 3), "output_tokens": tokens, "output_tok_s": round(tokens / elapsed, 1),
-            "constrained_finished": valid}
+            "constrained_finished": valid, "lengths": lengths}
+
+
+def same_lengths(llm: LLM, prompts: list[list[int]], row: dict) -> dict:
+    """The same prompts unconstrained, each cut to its length in `row`."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in row["lengths"]]
+    return run(llm, prompts, params)
 
 
 def main() -> None:
@@ -108,19 +118,22 @@ def main() -> None:
     compile_s = time.perf_counter() - start  # with the tokenizer's set-up, once per engine
     run(llm, prompts[:4], [plain, constrained] * 2)  # warm-up
     half = args.batch // 2
-    rows = {
-        "unconstrained": run(llm, prompts, [plain] * args.batch),
-        "json_schema": run(llm, prompts, [constrained] * args.batch),
-        "half_and_half": run(llm, prompts, [constrained] * half + [plain] * (args.batch - half)),
-    }
+    rows = {"unconstrained": run(llm, prompts, [plain] * args.batch)}
+    rows["json_schema"] = run(llm, prompts, [constrained] * args.batch)
+    rows["json_schema_lengths_unconstrained"] = same_lengths(llm, prompts, rows["json_schema"])
+    rows["half_and_half"] = run(llm, prompts, [constrained] * half + [plain] * (args.batch - half))
+    rows["half_and_half_lengths_unconstrained"] = same_lengths(llm, prompts, rows["half_and_half"])
     name = "smollm2-135m-instruct (cpu)" if args.tiny else f"{args.preset} (dummy, {torch.cuda.get_device_name()})"
-    print(json.dumps({"model": name, "batch": args.batch, "grammar_setup_s": round(compile_s, 3), **rows}))
+    summary = {label: {k: v for k, v in r.items() if k != "lengths"} for label, r in rows.items()}
+    print(json.dumps({"model": name, "batch": args.batch, "grammar_setup_s": round(compile_s, 3), **summary}))
     base = rows["unconstrained"]["output_tok_s"]
     print(f"\n{name}, batch {args.batch}, prompt {args.prompt_len}, up to {args.max_tokens} tokens, greedy")
-    print("| requests | output tokens | output tok/s | of unconstrained |")
-    print("|---|---|---|---|")
+    print("| requests | output tokens | output tok/s | of unconstrained | of unconstrained, same lengths |")
+    print("|---|---|---|---|---|")
     for label, r in rows.items():
-        print(f"| {label} | {r['output_tokens']} | {r['output_tok_s']} | {r['output_tok_s'] / base:.2f} |")
+        twin = rows.get(f"{label}_lengths_unconstrained")
+        same = f"{r['output_tok_s'] / twin['output_tok_s']:.2f}" if twin else ""
+        print(f"| {label} | {r['output_tokens']} | {r['output_tok_s']} | {r['output_tok_s'] / base:.2f} | {same} |")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class _Staged:
 class _Pending:
     block_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
 
 
 class KVOffload:
@@ -129,6 +130,7 @@ class KVOffload:
                 self._spill(*evicted)
             pending.block_ids.append(block_id)
             pending.slots.append(slot)
+            pending.hashes.append(block_hash)
             num_stored += 1
             self._emit(Tier.HOST, True, [block_hash])
         self._copy_out(pending)
@@ -158,6 +160,7 @@ class KVOffload:
     def _copy_out(self, pending: _Pending) -> None:
         if not pending.slots:
             return
+        self._prompt_order(pending)
         if self._copy_stream is None:  # CPU: plain synchronous copies
             ids = torch.tensor(pending.block_ids)
             for cache, buffer in zip(self._bytes(self.kv_caches), self._bytes(self.host.buffers), strict=True):
@@ -184,6 +187,16 @@ class KVOffload:
                 event.record()
             self._staged.append(_Staged(event, len(block_ids) * per_block, frozenset(slots)))
             self._copy_event = event
+
+    def _prompt_order(self, pending: _Pending) -> None:
+        """Hand the batch's slots out again, descending in eviction order. A request's blocks
+        leave the device tail first, so its prefix lands in ascending slots, as its device
+        blocks are when it comes back: a run of both then loads as one copy. The tier's LRU
+        order stays the eviction order."""
+        slots = sorted(pending.slots, reverse=True)
+        for block_hash, slot in zip(pending.hashes, slots, strict=True):
+            self.host.assign(block_hash, slot)
+        pending.slots = slots
 
     def _bound_staging(self, compute: torch.cuda.Stream, incoming: int) -> None:
         """Make the compute stream wait for the oldest copies until `incoming` more bytes fit."""
@@ -268,12 +281,18 @@ class KVOffload:
         order = sorted(range(len(slots)), key=lambda i: slots[i])
         slots = [slots[i] for i in order]
         sorted_ids = [block_ids[i] for i in order]
-        if self._copy_stream is None:
-            ids = torch.tensor(sorted_ids)
-        else:
+        if self._copy_stream is not None:
             self._await_slots(slots)  # a block evicted moments ago may still be on its way here
-            ids = self._device_index(sorted_ids)
-        for cache, buffer in zip(self._bytes(self.kv_caches), self._bytes(self.host.buffers), strict=True):
+        runs = _joint_runs(slots, sorted_ids)
+        caches, buffers = self._bytes(self.kv_caches), self._bytes(self.host.buffers)
+        if len(runs) * 8 <= len(slots):  # long runs: straight into the device blocks
+            for cache, buffer in zip(caches, buffers, strict=True):
+                for slot, block_id, n in runs:
+                    cache[block_id : block_id + n].copy_(buffer[slot : slot + n], non_blocking=True)
+            return
+        # Scattered: each slot run into a staging tensor, then one scatter into the blocks.
+        ids = torch.tensor(sorted_ids) if self._copy_stream is None else self._device_index(sorted_ids)
+        for cache, buffer in zip(caches, buffers, strict=True):
             staging = torch.empty((len(slots), *cache.shape[1:]), dtype=cache.dtype, device=self.device)
             for start, end, slot in _runs(slots):
                 staging[start:end].copy_(buffer[slot : slot + end - start], non_blocking=True)
@@ -322,6 +341,17 @@ def _scatter_runs(staged: torch.Tensor, buffer: torch.Tensor, slots: list[int]) 
     """staged[i] -> buffer[slots[i]], one copy per run of consecutive slots."""
     for start, end, slot in _runs(slots):
         buffer[slot : slot + end - start].copy_(staged[start:end], non_blocking=True)
+
+
+def _joint_runs(slots: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs where slot and block id both advance by one, as (first slot, first block id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for slot, block_id in zip(slots, block_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == slot and runs[-1][1] + runs[-1][2] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, block_id, 1))
+    return runs
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

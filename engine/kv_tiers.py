@@ -73,6 +73,10 @@ class HostTier:
         self._slots[block_hash] = slot
         return slot, evicted
 
+    def assign(self, block_hash: BlockHash, slot: int) -> None:
+        """Move a held hash to another of the slots held (its LRU place unchanged)."""
+        self._slots[block_hash] = slot
+
     def discard(self, block_hash: BlockHash) -> None:
         slot = self._slots.pop(block_hash, None)
         if slot is not None:

@@ -152,12 +152,11 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def _llm(path: Path, **overrides: Any) -> LLM:
     return LLM(
         str(path),
-        dtype="float32",
         num_blocks=96,
         block_size=BLOCK_SIZE,
         max_model_len=256,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        **({"device": "cpu"} | overrides),
+        **({"device": "cpu", "dtype": "float32"} | overrides),
     )
 
 

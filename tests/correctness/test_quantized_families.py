@@ -164,6 +164,12 @@ def test_quantized_logits_stay_close_to_the_unquantized_model(checkpoint: Checkp
     A MoE family is checked twice: routing on its own, then with every MoE layer handed the
     unquantized model's routing, so that only the quantized products differ (the dense bounds)."""
     path, family, sequences, ref, routes = checkpoint
+    if device == "cuda" and method == "fp8" and family.startswith("deepseek"):
+        # The tiny MLA's kv_a projection puts out 32 + 8 features, not the multiple of 16 that
+        # torch._scaled_mm takes (DeepSeek's own: 512 + 64): refused, naming the way out.
+        with pytest.raises(ValueError, match="use quantization 'int8'"):
+            _llm(path, method, device)
+        return
     quantized = _llm(path, method, device)
     model = quantized.core.model
     _assert_swapped(model, method, family)

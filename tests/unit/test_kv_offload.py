@@ -286,3 +286,18 @@ def test_copy_stream_orders_evictions_loads_and_overwrites_on_cuda(monkeypatch: 
     torch.cuda.synchronize()
     for cache, original in zip(caches, expected, strict=True):
         assert torch.equal(cache.view(torch.uint8), original.flip(0).view(torch.uint8))
+
+
+def test_a_prefix_evicted_tail_first_lands_in_ascending_slots_and_loads_back_exact() -> None:
+    """A request's blocks leave the device tail first; the host tier still holds its prefix
+    in ascending slots, so the way back into ascending device blocks is one run."""
+    caches = [torch.randn((8, *BLOCK_SHAPE)) for _ in range(NUM_LAYERS)]
+    offload = KVOffload(caches, 8)
+    prefix = [BlockHash(bytes([i]) * 16) for i in range(4)]
+    original = [c[:4].clone() for c in caches]
+    offload.on_evict([3, 2, 1, 0], prefix[::-1])  # tail first
+    assert [offload.host.slot(h) for h in prefix] == [0, 1, 2, 3]
+    assert offload.hashes(Tier.HOST) == prefix[::-1]  # LRU order is still the eviction order
+    assert offload.load(prefix, [4, 5, 6, 7]) == [Tier.HOST] * 4
+    for cache, before in zip(caches, original, strict=True):
+        assert torch.equal(cache[4:8], before)
