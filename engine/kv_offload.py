@@ -196,7 +196,8 @@ class KVOffload:
         slots = sorted(pending.slots, reverse=True)
         for block_hash, slot in zip(pending.hashes, slots, strict=True):
             self.host.assign(block_hash, slot)
-        pending.slots = slots
+        # The copies in ascending slot order: consecutive slots copy as one piece.
+        pending.slots, pending.block_ids, pending.hashes = slots[::-1], pending.block_ids[::-1], pending.hashes[::-1]
 
     def _bound_staging(self, compute: torch.cuda.Stream, incoming: int) -> None:
         """Make the compute stream wait for the oldest copies until `incoming` more bytes fit."""
