@@ -19,7 +19,9 @@ grammar's work missing, which is its cost. Every row: the same engine, warmed up
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import time
 from pathlib import Path
@@ -95,6 +97,20 @@ def same_lengths(llm: LLM, prompts: list[list[int]], row: dict) -> dict:
     return run(llm, prompts, params)
 
 
+def profile(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        row = run(llm, prompts, params)
+    print(f"json_schema under torch.profiler: {row['elapsed_s']} s")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    python = cProfile.Profile()
+    row = python.runcall(run, llm, prompts, params)
+    print(f"json_schema under cProfile: {row['elapsed_s']} s")
+    pstats.Stats(python).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama-3.1-8b")
@@ -104,6 +120,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="", help="the grammar's tokenizer (default: the bundled SmolLM2's; "
                         "its HF directory, saved with save_pretrained, does as well)")
     parser.add_argument("--tiny", action="store_true", help="SmolLM2 on CPU, batch 4, 24 tokens: a quick check")
+    parser.add_argument("--profile", action="store_true",
+                        help="then the json_schema batch once more under torch.profiler: its tables, by host time")
     args = parser.parse_args()
     if args.tiny:
         args.batch, args.prompt_len, args.max_tokens = 4, 16, 24
@@ -130,6 +148,8 @@ def main() -> None:
     print(f"\n{name}, batch {args.batch}, prompt {args.prompt_len}, up to {args.max_tokens} tokens, greedy")
     print("| requests | output tokens | output tok/s | of unconstrained | of unconstrained, same lengths |")
     print("|---|---|---|---|---|")
+    if args.profile:
+        profile(llm, prompts, [constrained] * args.batch)
     for label, r in rows.items():
         twin = rows.get(f"{label}_lengths_unconstrained")
         same = f"{r['output_tok_s'] / twin['output_tok_s']:.2f}" if twin else ""
