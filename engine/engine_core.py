@@ -47,7 +47,7 @@ from vllm_cluster.engine.scheduler import RequestUpdate, SampledToken, Scheduler
 from vllm_cluster.engine.scheduler_output import SchedulerOutput
 from vllm_cluster.engine.startup import start_engine
 from vllm_cluster.engine.stats import EngineStats, engine_stats
-from vllm_cluster.engine.structured_output import GrammarCache, RequestGrammar
+from vllm_cluster.engine.structured_output import GrammarCache, RequestGrammar, warm_mask_kernel
 from vllm_cluster.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class EngineCore:
             self.vocab_size,
             self.eos_token_id,
         )
+        if self.device.type == "cuda" and tokenizer_path is not None:
+            warm_mask_kernel(self.vocab_size, self.device, self.dtype)
         self._async = AsyncStepper(self.scheduler, self.sampler, self._execute) if use_async else None
         self.pushes = PendingPushes(self.kv)  # prefill role
         self.leases = Leases()  # decode role

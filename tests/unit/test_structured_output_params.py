@@ -127,3 +127,17 @@ def test_continuation_counts_the_tokens_its_grammar_replays() -> None:
     assert leg.sampling_params.structured_outputs.num_generated_prompt_tokens == 3
     plain = continuation(pb.WorkerRequest(request_id="r2", prompt_token_ids=[5]), Progress([5], token_ids=[7]))
     assert not plain.sampling_params.HasField("structured_outputs")
+
+
+def test_the_mask_kernel_warm_up_runs_and_a_failure_only_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """The warm-up's calls are xgrammar's own (on CPU here, its CPU kernel; on CUDA, the
+    Triton one it compiles ahead); one that fails leaves a warning, not an error."""
+    import torch
+
+    from vllm_cluster.engine.structured_output import warm_mask_kernel
+
+    with caplog.at_level("WARNING", logger="vllm_cluster.engine.structured_output"):
+        warm_mask_kernel(1000, torch.device("cpu"), torch.float32)
+        assert not caplog.records
+        warm_mask_kernel(1000, torch.device("cpu"), torch.int8)  # not a logits dtype xgrammar takes
+    assert "it compiles on first use" in caplog.text
