@@ -121,7 +121,7 @@ def main() -> None:
                         "its HF directory, saved with save_pretrained, does as well)")
     parser.add_argument("--tiny", action="store_true", help="SmolLM2 on CPU, batch 4, 24 tokens: a quick check")
     parser.add_argument("--profile", action="store_true",
-                        help="then the json_schema batch once more under torch.profiler: its tables, by host time")
+                        help="the json_schema batch twice more, under torch.profiler and under cProfile: their tables")
     args = parser.parse_args()
     if args.tiny:
         args.batch, args.prompt_len, args.max_tokens = 4, 16, 24
@@ -144,6 +144,8 @@ def main() -> None:
     rows["json_schema_lengths_unconstrained"] = same_lengths(llm, prompts, rows["json_schema"])
     rows["half_and_half"] = run(llm, prompts, [constrained] * half + [plain] * (args.batch - half))
     rows["half_and_half_lengths_unconstrained"] = same_lengths(llm, prompts, rows["half_and_half"])
+    if args.profile:  # before the table, so that its rows stay together
+        profile(llm, prompts, [constrained] * args.batch)
     name = "smollm2-135m-instruct (cpu)" if args.tiny else f"{args.preset} (dummy, {torch.cuda.get_device_name()})"
     summary = {label: {k: v for k, v in r.items() if k != "lengths"} for label, r in rows.items()}
     print(json.dumps({"model": name, "batch": args.batch, "grammar_setup_s": round(compile_s, 3), **summary}))
@@ -151,8 +153,6 @@ def main() -> None:
     print(f"\n{name}, batch {args.batch}, prompt {args.prompt_len}, up to {args.max_tokens} tokens, greedy")
     print("| requests | output tokens | output tok/s | of unconstrained | of unconstrained, same lengths |")
     print("|---|---|---|---|---|")
-    if args.profile:
-        profile(llm, prompts, [constrained] * args.batch)
     for label, r in rows.items():
         twin = rows.get(f"{label}_lengths_unconstrained")
         same = f"{r['output_tok_s'] / twin['output_tok_s']:.2f}" if twin else ""

@@ -171,11 +171,10 @@ class KVOffload:
         # most _MAX_STAGED_BYTES of gathered copies wait there; past that the compute stream
         # waits for the oldest.
         compute = torch.cuda.current_stream(self.device)
-        per_block = max(1, self.block_bytes)
-        chunk = max(1, _MAX_STAGED_BYTES // 2 // per_block)
+        chunk = max(1, _MAX_STAGED_BYTES // 2 // self.block_bytes)
         for start in range(0, len(pending.slots), chunk):
             block_ids, slots = pending.block_ids[start : start + chunk], pending.slots[start : start + chunk]
-            self._bound_staging(compute, len(block_ids) * per_block)
+            self._bound_staging(compute, len(block_ids) * self.block_bytes)
             ids = self._device_index(block_ids)
             staged = [cache.index_select(0, ids) for cache in self._bytes(self.kv_caches)]
             self._copy_stream.wait_stream(compute)
@@ -185,19 +184,20 @@ class KVOffload:
                     staging.record_stream(self._copy_stream)  # kept until the copy is done
                 event = torch.cuda.Event()
                 event.record()
-            self._staged.append(_Staged(event, len(block_ids) * per_block, frozenset(slots)))
+            self._staged.append(_Staged(event, len(block_ids) * self.block_bytes, frozenset(slots)))
             self._copy_event = event
 
     def _prompt_order(self, pending: _Pending) -> None:
-        """Hand the batch's slots out again, descending in eviction order. A request's blocks
-        leave the device tail first, so its prefix lands in ascending slots, as its device
-        blocks are when it comes back: a run of both then loads as one copy. The tier's LRU
-        order stays the eviction order."""
-        slots = sorted(pending.slots, reverse=True)
-        for block_hash, slot in zip(pending.hashes, slots, strict=True):
+        """Hand the batch's slots out again, ascending against eviction order, and leave the
+        batch in that order (consecutive slots copy as one piece). A request's blocks leave
+        the device tail first, so its prefix lands in ascending slots, as its device blocks
+        are when it comes back: a run of both then loads as one copy. The tier's LRU order
+        stays the eviction order."""
+        pending.slots = sorted(pending.slots)
+        pending.block_ids.reverse()
+        pending.hashes.reverse()
+        for block_hash, slot in zip(pending.hashes, pending.slots, strict=True):
             self.host.assign(block_hash, slot)
-        # The copies in ascending slot order: consecutive slots copy as one piece.
-        pending.slots, pending.block_ids, pending.hashes = slots[::-1], pending.block_ids[::-1], pending.hashes[::-1]
 
     def _bound_staging(self, compute: torch.cuda.Stream, incoming: int) -> None:
         """Make the compute stream wait for the oldest copies until `incoming` more bytes fit."""
