@@ -40,6 +40,7 @@ from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVTransferError,
     TransferStatus,
+    check_block_ids,
     handshake_message,
     parse_endpoint,
 )
@@ -278,6 +279,11 @@ class CudaIpcSender:
             peer = self._peer(endpoint)
         except (OSError, KVTransferError) as e:
             self._table.fail(transfer_id, f"cannot reach {endpoint}: {e}")
+            return
+        try:
+            check_block_ids(dst_block_ids, peer.remote[layer].shape[0], f"{endpoint}: destination")
+        except KVTransferError as e:
+            self._table.fail(transfer_id, str(e))
             return
         with self._lock:
             if transfer_id in self._cancelled:

@@ -10,6 +10,7 @@ from typing import BinaryIO
 
 import torch
 
+from vllm_cluster.kv_transfer.base import KVTransferError
 from vllm_cluster.proto import kv_transfer_pb2 as kvpb
 
 FRAME = struct.Struct("<BI")  # 1 byte kind, 4 bytes little-endian length, then the payload
@@ -57,11 +58,20 @@ def export_tensor(tensor: torch.Tensor) -> kvpb.CudaIpcTensor:
         event_handle=event_handle or b"",
         event_sync_required=event_sync,
         tensor_offset=int(tensor.storage_offset()),
+        shape=list(tensor.shape),
+        stride=list(tensor.stride()),
     )
 
 
 def import_tensor(msg: kvpb.CudaIpcTensor, like: torch.Tensor) -> torch.Tensor:
-    """The receiver's tensor, mapped here; shaped and typed like our own cache layer."""
+    """The receiver's tensor, mapped here, in its own shape: typed like our cache layer `like`
+    and with its block layout (every dimension but the first, the block count: a decode
+    instance usually holds many more blocks than a prefill instance)."""
+    if tuple(msg.shape[1:]) != tuple(like.shape[1:]):
+        raise KVTransferError(
+            f"the receiver's cache layer has shape {list(msg.shape)}, ours {list(like.shape)}: "
+            "every dimension but the block count must match"
+        )
     storage = torch.UntypedStorage._new_shared_cuda(
         msg.device,
         msg.handle,
@@ -73,4 +83,4 @@ def import_tensor(msg: kvpb.CudaIpcTensor, like: torch.Tensor) -> torch.Tensor:
         msg.event_sync_required,
     )
     out = torch.empty(0, dtype=like.dtype, device=torch.device("cuda", msg.device))
-    return out.set_(storage, msg.tensor_offset, like.shape, like.stride())
+    return out.set_(storage, msg.tensor_offset, tuple(msg.shape), tuple(msg.stride))

@@ -196,11 +196,16 @@ class TileConfig:
 
 
 def default_tile_config(num_heads: int) -> TileConfig:
-    """The tiles `mla_decode_attention` uses unless told (benchmarks/bench_mla_decode.py sweeps
-    the alternatives): 16 heads per program up to 16 heads (bandwidth-bound), else 32."""
+    """The tiles `mla_decode_attention` uses unless told: the fastest of the sweep in
+    benchmarks/bench_mla_decode.py on an H100 (docs/benchmarks.md). Up to 16 heads the kernel
+    is bandwidth-bound and 16 heads per program do best; with many heads it is bound by its
+    dots, and 64 heads per program with 8 warps read each cached token once for 64 heads
+    (1.9x faster than 32 per program at 128 heads)."""
     if num_heads <= 16:
         return TileConfig(block_h=16, tile_n=32, num_warps=4, num_stages=2)
-    return TileConfig(block_h=32, tile_n=32, num_warps=8, num_stages=2)
+    if num_heads <= 32:
+        return TileConfig(block_h=32, tile_n=32, num_warps=4, num_stages=2)
+    return TileConfig(block_h=64, tile_n=32, num_warps=8, num_stages=2)
 
 
 def mla_decode_attention(

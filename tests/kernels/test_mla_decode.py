@@ -15,6 +15,7 @@ from vllm_cluster.kernels.attention.metadata import AttentionMetadata, make_plan
 from vllm_cluster.kernels.attention.triton_mla_decode import (
     TileConfig,
     choose_mla_splits,
+    default_tile_config,
     mla_decode_attention,
     write_latent_cache,
 )
@@ -138,3 +139,18 @@ def test_torch_prefill_after_a_cached_prefix_matches_the_definition(
     for i in range(6):  # query i sits at position 7 + i: it sees the first 8 + i entries
         expected = per_head_attention(q[i : i + 1], cache, tables, [8 + i])
         torch.testing.assert_close(out[i : i + 1].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads", [20, 40])
+def test_default_tiles_for_many_heads_match_the_definition(num_heads: int) -> None:
+    """Past 16 heads the default tiles take 32 and then 64 heads per program (a partial head
+    block for both counts here)."""
+    assert default_tile_config(num_heads).block_h == (32 if num_heads <= 32 else 64)
+    seq_lens = [21, 6]
+    q, cache, tables = make_inputs(seq_lens, num_heads, 4)
+    triton_out = mla_decode_attention(
+        q.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        0.3, LATENT, num_splits=1,
+    )  # fmt: skip
+    torch.testing.assert_close(triton_out.cpu().double(), per_head_attention(q, cache, tables, seq_lens),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _send(endpoint: str, transfer_id: str, block_size: int = 4, device: str = "cuda:0") -> str:
+def _send(endpoint: str, transfer_id: str, block_size: int = 4, device: str = "cuda:0", dst: str = "7,8,9,3,4") -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "tests.kv_transfer.cuda_ipc_sender", endpoint, transfer_id, str(block_size), device],
+        [sys.executable, "-m", "tests.kv_transfer.cuda_ipc_sender", endpoint, transfer_id, str(block_size), device,
+         dst],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -50,6 +51,33 @@ def test_blocks_land_exactly_and_mismatch_is_named() -> None:
         receiver.expect("t3", [7, 8, 9, 3, 4])
         receiver.cancel("t3")
         assert receiver.status("t3") == TransferStatus.CANCELLED
+    finally:
+        receiver.close()
+
+
+def test_a_receiver_with_more_blocks_than_the_sender_takes_them_all() -> None:
+    """A decode instance holds many more blocks than the prefill instance that feeds it: the
+    sender maps the receiver's cache in the receiver's shape, so blocks past the sender's own
+    count land, and ids past the receiver's fail the transfer, not the sender."""
+    from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcReceiver
+
+    source = random_caches(seed=1)  # the sender's: 16 blocks
+    caches = [c.cuda() for c in random_caches(seed=2, num_blocks=64)]
+    before = [c.clone() for c in caches]
+    receiver = CudaIpcReceiver(caches, KVLayout.from_kv_caches(caches, MODEL))
+    try:
+        receiver.expect("far", [40, 41, 63, 3, 4])
+        assert _send(receiver.endpoint, "far", dst="40,41,63,3,4") == "sent"
+        assert receiver.wait("far", 10.0) == TransferStatus.DONE
+        for got, want, old in zip(caches, source, before, strict=True):
+            got, old = got.cpu(), old.cpu()
+            for src, dst in zip([0, 1, 2, 5, 6], [40, 41, 63, 3, 4], strict=True):
+                assert torch.equal(got[dst], want[src])
+            untouched = [b for b in range(64) if b not in (40, 41, 63, 3, 4)]
+            assert torch.equal(got[untouched], old[untouched])
+        outcome = _send(receiver.endpoint, "past", dst="62,63,64,65,3")
+        assert outcome.startswith("failed") and "destination block ids [64, 65]" in outcome, outcome
+        assert "64 blocks" in outcome
     finally:
         receiver.close()
 
