@@ -27,6 +27,11 @@ LATENCY_METRICS = (
     ("e2el", "E2EL", "End-to-end Latency"),
 )
 TTFT_PARTS = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s")
+# Who computed a request's prompt: a prefill instance (its KV handed over), the decode
+# instance (the router skipped the prefill: few uncached tokens, or a colocated cluster),
+# blocks pulled from another instance's cache, or the decode instance after a failed
+# hand-off. A disaggregated run whose prompts were "recomputed" measured something else.
+PROMPT_PATHS = ("prefill", "decode", "pulled", "recomputed")
 
 
 @dataclass(slots=True)
@@ -40,6 +45,7 @@ class RequestResult:
     e2e_s: float = 0.0
     error: str = ""  # an error type: "RESOURCE_EXHAUSTED", "HTTP 429", ...
     server_timings: dict[str, float] | None = None  # TTFT_PARTS, from the cluster
+    prompt_path: str = ""  # who computed the prompt, from the cluster (PROMPT_PATHS); "" if not told
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types; `from_json` gives an equal result back."""
@@ -118,6 +124,9 @@ def summarize(
     breakdown = _ttft_breakdown(ok)
     if breakdown:
         summary["ttft_breakdown"] = breakdown
+    paths = Counter(r.prompt_path for r in ok if r.prompt_path)
+    if paths:
+        summary["prompt_paths"] = {path: paths[path] for path in PROMPT_PATHS if paths[path]}
     return summary
 
 
@@ -210,6 +219,11 @@ def format_table(summary: dict[str, Any]) -> str:
     for part, stats in breakdown.items():
         label = part.removesuffix("_s").replace("_", " ").capitalize()
         row(f"{label} (ms):", "{mean_ms:.2f} / {median_ms:.2f} / {p99_ms:.2f}".format(**stats))
+    paths = summary.get("prompt_paths", {})
+    if paths:
+        lines.append("{s:{c}^{n}}".format(s="Prompts computed by (requests)", n=50, c="-"))
+    for path, count in paths.items():
+        row(f"{path.capitalize()}:", count)
     if summary["errors"]:
         lines.append("{s:{c}^{n}}".format(s="Errors", n=50, c="-"))
         for error, count in sorted(summary["errors"].items()):

@@ -31,6 +31,15 @@ from vllm_cluster.worker.rpc import CHANNEL_OPTIONS
 _TIMING_FIELDS = ("router_s", "prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s")
 
 
+def prompt_path(timings: pb.Timings) -> str:
+    """Who computed the prompt (metrics.PROMPT_PATHS), from the router's timings."""
+    if timings.recomputed:
+        return "recomputed"
+    if timings.num_kv_blocks_pulled:
+        return "pulled"
+    return "decode" if timings.prefill_skipped else "prefill"
+
+
 class Target(Protocol):
     async def start(self) -> None: ...
 
@@ -104,6 +113,7 @@ class GrpcTarget:
                     result.output_len = piece.usage.completion_tokens
                     result.prompt_len = piece.usage.prompt_tokens or request.prompt_len
                     result.server_timings = {f: getattr(piece.timings, f) for f in _TIMING_FIELDS}
+                    result.prompt_path = prompt_path(piece.timings)
             result.output_len = result.output_len or num_tokens
             result.e2e_s = time.perf_counter() - sent
             result.success = result.output_len > 0

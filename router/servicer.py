@@ -277,6 +277,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
             timings.prefill_skipped = True
             return None
         names = self._placement.rank(EngineRole.PREFILL, request, overlap)
+        if not names and not self._registry.of_role(EngineRole.PREFILL):
+            timings.prefill_skipped = True  # no prefill instance at all: a colocated cluster
+            return None
         if not names:
             return self._prefill_failed(handoff, timings, context, "no healthy prefill instance")
         instance = self._registry.acquire(names[0])

@@ -70,6 +70,8 @@ def test_serve(cluster: LocalCluster, tmp_path: Path, backend: str) -> None:
     if backend == "grpc":  # our cluster reports where the TTFT went
         assert set(result["ttft_breakdown"]) >= {"prefill_queue_s", "prefill_compute_s", "transfer_s", "decode_queue_s"}
         assert "Prefill compute" in run.stdout
+        assert result["prompt_paths"] == {"prefill": 10}  # every prompt handed over, none recomputed
+        assert "Prompts computed by" in run.stdout
     pngs = sorted(tmp_path.glob("*.png"))
     assert len(pngs) == 2 and all(p.stat().st_size > 10_000 for p in pngs)
 

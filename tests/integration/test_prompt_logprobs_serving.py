@@ -77,6 +77,9 @@ def test_grpc_prompt_logprobs_equal_offline(which: str, request: pytest.FixtureR
             assert got.timings is not None and got.timings.prefill_skipped == (which == "colocated")
         plain = client.generate(token_ids=offline[0].prompt_token_ids, max_tokens=2, temperature=0.0)
         assert plain.prompt_logprobs == []
+        # A cluster without prefill instances is no failed hand-off: nothing recomputed or warned.
+        assert not plain.timings.recomputed
+        assert "prefill failed" not in (cluster.log_dir / "router.log").read_text()
     finally:
         client.close()
 

@@ -19,6 +19,8 @@ from vllm_cluster.loadtest.metrics import (
     tpot_s,
 )
 from vllm_cluster.loadtest.plots import plot_run, plot_sweep
+from vllm_cluster.loadtest.targets import prompt_path
+from vllm_cluster.proto import cluster_pb2 as pb
 
 VLLM_KEYS = [
     "duration", "completed", "failed", "num_prompts", "total_input_tokens",
@@ -215,3 +217,17 @@ def test_plot_sweep_writes_one_png(tmp_path: Path) -> None:
     assert_png(path)
     with pytest.raises(ValueError, match=r"sweep row \[0\] lacks p99_itl_ms"):
         plot_sweep([{k: v for k, v in rows[0].items() if k != "p99_itl_ms"}], tmp_path / "x.png")
+
+
+def test_prompt_paths_count_who_computed_each_prompt() -> None:
+    timings = [pb.Timings(), pb.Timings(prefill_skipped=True), pb.Timings(recomputed=True),
+               pb.Timings(num_kv_blocks_pulled=3), pb.Timings()]
+    assert [prompt_path(t) for t in timings] == ["prefill", "decode", "recomputed", "pulled", "prefill"]
+    results = [RequestResult(True, 4, 2, ttft_s=0.1, e2e_s=0.2, prompt_path=prompt_path(t)) for t in timings]
+    results.append(RequestResult(False, 4, error="UNAVAILABLE"))  # failed requests are not counted
+    summary = summarize(results, duration_s=1.0)
+    assert summary["prompt_paths"] == {"prefill": 2, "decode": 1, "pulled": 1, "recomputed": 1}
+    table = format_table(summary)
+    assert "Prompts computed by (requests)" in table and "Recomputed:" in table
+    untold = summarize([RequestResult(True, 4, 2, ttft_s=0.1, e2e_s=0.2)], duration_s=1.0)  # the HTTP front
+    assert "prompt_paths" not in untold and "Prompts computed by" not in format_table(untold)
