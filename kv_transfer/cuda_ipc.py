@@ -237,9 +237,13 @@ class _Peer:
         kind, payload = _recv_frame(self.sock)
         export = kvpb.CudaIpcExport.FromString(payload)
         self.sock.settimeout(None)
-        self.remote = [
-            import_tensor(msg, like) for msg, like in zip(export.layers, kv_caches, strict=True)
-        ]
+        try:
+            if len(export.layers) != len(kv_caches):
+                raise KVTransferError(f"the receiver exports {len(export.layers)} layers, we hold {len(kv_caches)}")
+            self.remote = [import_tensor(msg, like) for msg, like in zip(export.layers, kv_caches, strict=True)]
+        except KVTransferError:  # a cache of another layout: nothing is mapped
+            self.sock.close()
+            raise
 
 
 class CudaIpcSender:
