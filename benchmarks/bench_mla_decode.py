@@ -37,7 +37,8 @@ from vllm_cluster.kernels.attention.triton_mla_decode import (
 )
 
 LATENT, ROPE, BLOCK_SIZE = 512, 64, 16
-SWEEP = [TileConfig(*c) for c in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2))]
+# One stage never won; three and four keep more of the context in flight per program.
+SWEEP = [TileConfig(*c) for c in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (2, 3, 4))]
 # A variant: tiles and a split count (None: the kernel's own choice, choose_mla_splits).
 Variant = tuple[TileConfig, int | None]
 

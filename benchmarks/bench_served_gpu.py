@@ -21,10 +21,13 @@ instance's hand-off against a colocated engine computing the prompt itself).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -62,6 +65,30 @@ def offline(args: argparse.Namespace, tmp: Path) -> float:
     return float(json.loads(out.read_text())["output_tokens_per_second"])
 
 
+@contextlib.contextmanager
+def profiled(cluster: LocalCluster, profile_dir: Path | None, run: str) -> Iterator[None]:
+    """With --profile-dir: py-spy samples every process of the cluster (each thread, idle time
+    included) while the body runs, one collapsed-stack file per process. Where the
+    concurrency-1 TTFT goes in the prefill instance, its router and its decode instance."""
+    if profile_dir is None:
+        yield
+        return
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    spies = [subprocess.Popen(["py-spy", "record", "--pid", str(p.popen.pid), "--idle", "--threads", "--rate", "1000",
+                               "--format", "raw", "--output", str(profile_dir / f"{run}-{p.name}.txt")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for p in cluster.processes]  # fmt: skip
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        for spy in spies:
+            _, err = spy.communicate(timeout=60)
+            if spy.returncode:
+                print(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace')[-500:]}", file=sys.stderr)
+
+
 def served(args: argparse.Namespace, tmp: Path, mode: str, stream_interval: int) -> dict:
     disaggregated = mode.startswith("disaggregated")
     config = {"engine": engine_section(args, stream_interval),
@@ -79,8 +106,9 @@ def served(args: argparse.Namespace, tmp: Path, mode: str, stream_interval: int)
         subprocess.run([*bench, *workload(args), "--num-warmups", "8", "--num-client-processes",
                         str(args.client_processes), "--result-filename", name], check=True)
         if args.ttft_prompts:  # one request at a time, exact lengths, prompts the cluster has not seen
-            subprocess.run([*bench, *workload(args, args.ttft_prompts, 0.0, seed=1), "--max-concurrency", "1",
-                            "--num-warmups", "2", "--result-filename", "ttft-" + name], check=True)
+            with profiled(cluster, args.profile_dir, name.removesuffix(".json")):
+                subprocess.run([*bench, *workload(args, args.ttft_prompts, 0.0, seed=1), "--max-concurrency", "1",
+                                "--num-warmups", "2", "--result-filename", "ttft-" + name], check=True)
     run = json.loads((tmp / name).read_text())
     if args.ttft_prompts:
         run["ttft_c1_ms"] = json.loads((tmp / ("ttft-" + name)).read_text())["median_ttft_ms"]
@@ -104,6 +132,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's own (two instances on one "
                         "GPU may not hold llama-3.1-8b's 131,072 tokens each)")
     parser.add_argument("--ttft-prompts", type=int, default=16, help="concurrency-1 TTFT pass (0: skip)")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="py-spy (pip install py-spy) every cluster process during the concurrency-1 pass, "
+                             "collapsed stacks per process into this folder")
     parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
                         help="the clients' API: the router's gRPC Generate, or the OpenAI HTTP front (/v1/completions)")
     args = parser.parse_args()
