@@ -273,13 +273,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
         """The prefill's reply (the first token, the prompt logprobs asked for), or None when
         decode is to compute the prompt itself."""
         num_prompt = len(request.prompt_token_ids)
-        if should_skip_prefill(num_prompt, reservation.num_cached_tokens, self._config.min_prefill_tokens):
+        colocated = not self._registry.of_role(EngineRole.PREFILL)  # no prefill instance at all
+        if colocated or should_skip_prefill(num_prompt, reservation.num_cached_tokens, self._config.min_prefill_tokens):
             timings.prefill_skipped = True
             return None
         names = self._placement.rank(EngineRole.PREFILL, request, overlap)
-        if not names and not self._registry.of_role(EngineRole.PREFILL):
-            timings.prefill_skipped = True  # no prefill instance at all: a colocated cluster
-            return None
         if not names:
             return self._prefill_failed(handoff, timings, context, "no healthy prefill instance")
         instance = self._registry.acquire(names[0])
