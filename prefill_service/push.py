@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
-from vllm_cluster.kv_transfer import KVSender, TransferStatus
+from vllm_cluster.kv_transfer import KVSender, KVTransferError, TransferStatus
+
+logger = logging.getLogger(__name__)
 
 
 class ReservationPush:
     """Maps this engine's prompt blocks onto the decode's reserved blocks and sends them
-    layer by layer through `sender`; `finish` waits for every send and records the outcome."""
+    layer by layer through `sender`; `finish` waits for every send and records the outcome.
+
+    A layer that cannot be queued (a reservation shorter than the prompt, a sender that
+    raises) fails this push only: its later layers are not sent, the layers already queued
+    are still waited for (their source blocks stay untouched until they land), and the
+    outcome is FAILED with the reason. The other requests of the engine step go on."""
 
     def __init__(
         self,
@@ -30,21 +38,36 @@ class ReservationPush:
         self.status: TransferStatus | None = None  # None: nothing to send
         self.error: str | None = None
         self.transfer_s = 0.0
+        self._queued = False  # a layer went to the sender: `finish` waits for it
 
     def push_layer(self, layer: int, src_block_ids: list[int]) -> None:
-        if not src_block_ids:
+        if not src_block_ids or self.error is not None:
             return
         start = self.num_skip_blocks
         dst = self._dst_block_ids[start : start + len(src_block_ids)]
-        assert len(dst) == len(src_block_ids), "the reservation has fewer blocks than the prompt"
-        self._sender.push_layer(self._endpoint, self._transfer_id, layer, src_block_ids, dst)
+        try:
+            if len(dst) != len(src_block_ids):
+                raise KVTransferError(
+                    f"the decode reservation holds {len(self._dst_block_ids)} blocks, {start} of them already "
+                    f"cached; the prompt needs {len(src_block_ids)} more"
+                )
+            self._sender.push_layer(self._endpoint, self._transfer_id, layer, src_block_ids, dst)
+        except Exception as e:  # this request's push only: never the engine step
+            if not isinstance(e, KVTransferError):
+                logger.exception("transfer %s: the KV sender raised at layer %d", self._transfer_id, layer)
+            self.error = f"layer {layer} was not sent: {e}"
+            return
+        self._queued = True
         self.num_blocks_sent = len(src_block_ids)
 
     def finish(self) -> None:
-        if self.num_blocks_sent == 0:
+        if not self._queued and self.error is None:
             return
         start = time.monotonic()
-        self.status = self._sender.wait(self._transfer_id, self._timeout_s)
-        if self.status != TransferStatus.DONE:
-            self.error = self._sender.error(self._transfer_id) or f"transfer {self.status.name.lower()}"
+        if self._queued:
+            self.status = self._sender.wait(self._transfer_id, self._timeout_s)
+            if self.status != TransferStatus.DONE and self.error is None:
+                self.error = self._sender.error(self._transfer_id) or f"transfer {self.status.name.lower()}"
+        if self.error is not None:
+            self.status = TransferStatus.FAILED
         self.transfer_s = time.monotonic() - start

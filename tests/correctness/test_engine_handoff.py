@@ -9,6 +9,9 @@ import pytest
 from tests.correctness.handoff import run_disaggregated
 from vllm_cluster.engine import LLM, SamplingParams
 from vllm_cluster.engine.scheduler import SampledToken
+from vllm_cluster.kv_transfer import KVLayout, TransferStatus
+from vllm_cluster.kv_transfer.local import LocalReceiver, LocalSender
+from vllm_cluster.prefill_service.push import ReservationPush
 
 pytestmark = pytest.mark.slow
 
@@ -82,3 +85,40 @@ def test_seeded_sampling_continues_the_same_stream(smollm2: LLM) -> None:
         smollm2.derive(role="prefill").core, smollm2.derive(role="decode").core, [prompt], params
     )
     assert got[0] == expected
+
+
+def test_a_push_that_cannot_be_queued_fails_only_its_request(smollm2: LLM) -> None:
+    """Two prompts complete in one prefill step over the real in-process transport; one
+    reservation is too short for its prompt. That push fails with the reason, the other
+    lands every layer, both requests get their first token, and no block is held after."""
+    tok = smollm2.get_tokenizer()
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    prefill = smollm2.derive(role="prefill").core
+    decode = smollm2.derive(role="decode").core
+    layout = KVLayout.from_kv_caches(decode.transfer_caches, model=decode.config.model.model)
+    receiver = LocalReceiver(decode.transfer_caches, layout, "one-push-fails")
+    sender = LocalSender(prefill.transfer_caches, layout)
+    try:
+        block_ids = decode.reserve(decode.make_request("ok", prompts[0], params), lease_s=60)
+        assert block_ids
+        receiver.expect("t-ok", block_ids)
+        good = ReservationPush(sender, receiver.endpoint, "t-ok", block_ids, 0, timeout_s=10)
+        short = ReservationPush(sender, receiver.endpoint, "t-short", [], 0, timeout_s=10)
+        prefill.add_request(prefill.make_request("ok", prompts[0], params), good)
+        prefill.add_request(prefill.make_request("short", prompts[1], params), short)
+        first = {}
+        while prefill.has_unfinished():
+            first |= {u.request.request_id: u.new_token_ids for u in prefill.step()}
+        assert sorted(first) == ["ok", "short"] and all(len(t) == 1 for t in first.values())
+        assert good.status == TransferStatus.DONE and good.error is None
+        assert receiver.status("t-ok") == TransferStatus.DONE
+        assert short.status == TransferStatus.FAILED
+        assert short.error is not None and "layer 0 was not sent" in short.error
+        assert "reservation holds 0 blocks" in short.error and short.num_blocks_sent == 0
+        assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_blocks
+    finally:
+        receiver.close()
+        sender.close()
+        decode.abort("ok")
+    assert decode.kv.pool.num_free_blocks == decode.kv.pool.num_blocks
