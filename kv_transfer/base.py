@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -118,9 +120,7 @@ def check_kv_caches(kv_caches: Sequence[torch.Tensor]) -> None:
                 f"{first.dtype} {tuple(first.shape)}; every layer must have the same block shape"
             )
         if cache.device != first.device:
-            raise ValueError(
-                f"kv_caches[{layer}] is on {cache.device}, kv_caches[0] on {first.device}"
-            )
+            raise ValueError(f"kv_caches[{layer}] is on {cache.device}, kv_caches[0] on {first.device}")
         if not cache.is_contiguous():
             raise ValueError(f"kv_caches[{layer}] is not contiguous; a block must be one range")
 
@@ -151,6 +151,43 @@ def split_segments(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -
     return [Segment(int(src[a]), int(dst[a]), b - a) for a, b in zip(starts, ends, strict=True)]
 
 
+class _SegmentMemo:
+    """The segments of the pushes in progress, cut once per transfer: a push sends the same
+    block pairs at every layer, and cutting fragmented ids costs the engine's thread about
+    as much per layer as launching the layer's kernels (a few microseconds per segment)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._cuts: OrderedDict[str, tuple[list[int], list[int], list[Segment]]] = OrderedDict()
+
+    def segments(self, transfer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[Segment]:
+        """Raises KVTransferError when the two id lists cannot pair up."""
+        with self._lock:
+            cut = self._cuts.get(transfer_id)
+            if cut is not None and cut[0] == src_block_ids and cut[1] == dst_block_ids:
+                return cut[2]
+        try:
+            segments = split_segments(src_block_ids, dst_block_ids)
+        except ValueError as e:
+            raise KVTransferError(str(e)) from e
+        with self._lock:
+            self._cuts[transfer_id] = (list(src_block_ids), list(dst_block_ids), segments)
+            self._cuts.move_to_end(transfer_id)
+            while len(self._cuts) > self._capacity:
+                self._cuts.popitem(last=False)
+        return segments
+
+
+_SEGMENTS = _SegmentMemo()
+
+
+def push_segments(transfer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[Segment]:
+    """The runs of blocks consecutive on both sides, as `split_segments` cuts them, remembered
+    for the transfer's later layers; raises KVTransferError."""
+    return _SEGMENTS.segments(transfer_id, src_block_ids, dst_block_ids)
+
+
 def parse_endpoint(endpoint: str, scheme: str) -> tuple[str, int]:
     """("HOST", PORT) from "SCHEME://HOST:PORT"; raises KVTransferError."""
     prefix = f"{scheme}://"
@@ -164,9 +201,7 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> Non
     """Raise KVTransferError unless every id is a block of a cache with `num_blocks` blocks."""
     if block_ids and not 0 <= min(block_ids) <= max(block_ids) < num_blocks:
         bad = [b for b in block_ids if not 0 <= b < num_blocks]
-        raise KVTransferError(
-            f"{what} block ids {bad[:8]} are outside the cache's {num_blocks} blocks"
-        )
+        raise KVTransferError(f"{what} block ids {bad[:8]} are outside the cache's {num_blocks} blocks")
 
 
 _LENGTH_BYTES = 8
@@ -280,6 +315,4 @@ class KVSender(Protocol):
 def handshake_message(layout: KVLayout, sender_id: str, cluster_token: str) -> kv_transfer_pb2.Handshake:
     """A sender's first message: its layout, its name and its cluster's token (the receiver
     accepts KV only from processes of its own cluster)."""
-    return kv_transfer_pb2.Handshake(
-        layout=layout.to_proto(), sender_id=sender_id, cluster_token=cluster_token
-    )
+    return kv_transfer_pb2.Handshake(layout=layout.to_proto(), sender_id=sender_id, cluster_token=cluster_token)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_cluster.kv_transfer import faults
 from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVTransferError,
@@ -43,6 +44,7 @@ from vllm_cluster.kv_transfer.base import (
     check_block_ids,
     handshake_message,
     parse_endpoint,
+    push_segments,
 )
 from vllm_cluster.kv_transfer.cuda_ipc_wire import (
     FRAME,
@@ -52,7 +54,7 @@ from vllm_cluster.kv_transfer.cuda_ipc_wire import (
     landed_headers,
     read_frame,
 )
-from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, layer_ready, plan_chunks
 from vllm_cluster.proto import kv_transfer_pb2 as kvpb
 
 logger = logging.getLogger(__name__)
@@ -110,13 +112,9 @@ class CudaIpcReceiver:
         cluster_token: str = "",
     ) -> None:
         if not kv_caches[0].is_cuda:
-            raise KVTransferError(
-                "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
-            )
+            raise KVTransferError("the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU")
         self._table = ReceiveTable(kv_caches, layout, cluster_token)
-        self._export = kvpb.CudaIpcExport(
-            layers=[export_tensor(t) for t in kv_caches]
-        ).SerializeToString()
+        self._export = kvpb.CudaIpcExport(layers=[export_tensor(t) for t in kv_caches]).SerializeToString()
         self._server = socket.create_server((host, port))
         self.endpoint = f"cuda_ipc://{host}:{self._server.getsockname()[1]}"
         self._conns: list[_Conn] = []
@@ -175,9 +173,7 @@ class CudaIpcReceiver:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(
-                target=self._serve, args=(_Conn(sock),), name="cuda-ipc-recv", daemon=True
-            ).start()
+            threading.Thread(target=self._serve, args=(_Conn(sock),), name="cuda-ipc-recv", daemon=True).start()
 
     def _serve(self, conn: _Conn) -> None:
         try:
@@ -251,9 +247,7 @@ class CudaIpcSender:
         self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = ""
     ) -> None:
         if not kv_caches[0].is_cuda:
-            raise KVTransferError(
-                "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
-            )
+            raise KVTransferError("the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU")
         self._kv_caches = list(kv_caches)
         self._handshake = handshake_message(layout, sender_id, cluster_token).SerializeToString()
         self._table = SendTable()
@@ -263,9 +257,7 @@ class CudaIpcSender:
         self._stream = torch.cuda.Stream(kv_caches[0].device)
         # The push in progress: (transfer id, src ids, dst ids, their device tensors, runs of dst ids)
         self._plan: tuple[str, list[int], list[int], torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
-        self._landed: queue.Queue[
-            tuple[_Peer, str, list[kvpb.KVChunkHeader], torch.cuda.Event] | None
-        ] = queue.Queue()
+        self._landed: queue.Queue[tuple[_Peer, str, list[kvpb.KVChunkHeader], torch.cuda.Event] | None] = queue.Queue()
         self._notifier = threading.Thread(target=self._notify, name="cuda-ipc-notify", daemon=True)
         self._notifier.start()
 
@@ -277,34 +269,34 @@ class CudaIpcSender:
         src_block_ids: list[int],
         dst_block_ids: list[int],
     ) -> None:
-        chunks = plan_chunks(self._kv_caches, transfer_id, layer, src_block_ids, dst_block_ids)
+        # Fragmented blocks (more runs than a few copies) move in one gather and one scatter,
+        # from index tensors made once per transfer: no per-run work on this (the engine's) thread.
+        gather = len(push_segments(transfer_id, src_block_ids, dst_block_ids)) > _MAX_RUN_COPIES
+        if gather and faults.active() is None:
+            ready, chunks = layer_ready(self._kv_caches, layer, src_block_ids), []
+        else:  # a few runs, or injected faults (which drop or corrupt single chunks)
+            chunks, gather = plan_chunks(self._kv_caches, transfer_id, layer, src_block_ids, dst_block_ids), False
+            ready = chunks[0].ready if chunks else None
         self._table.add(transfer_id, 1)
         try:
             peer = self._peer(endpoint)
-        except (OSError, KVTransferError) as e:
-            self._table.fail(transfer_id, f"cannot reach {endpoint}: {e}")
-            return
-        try:
             check_block_ids(dst_block_ids, peer.remote[layer].shape[0], f"{endpoint}: destination")
-        except KVTransferError as e:
-            self._table.fail(transfer_id, str(e))
+        except (OSError, KVTransferError) as e:
+            self._table.fail(transfer_id, f"cannot reach {endpoint}: {e}" if isinstance(e, OSError) else str(e))
             return
         with self._lock:
             if transfer_id in self._cancelled:
-                self._table.fail(
-                    transfer_id, f"transfer {transfer_id!r} was cancelled by the receiver"
-                )
+                self._table.fail(transfer_id, f"transfer {transfer_id!r} was cancelled by the receiver")
                 return
-            headers = [c.header for c in chunks]
-            whole = sum(h.num_blocks for h in headers) == len(src_block_ids)  # no chunk dropped by a fault
             with torch.cuda.stream(self._stream):
-                if chunks and chunks[0].ready is not None:
-                    self._stream.wait_event(chunks[0].ready)
-                if len(chunks) > _MAX_RUN_COPIES and whole:
-                    _, _, _, src, dst, runs = self._push_plan(transfer_id, src_block_ids, dst_block_ids)
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                if gather:
+                    src, dst, runs = self._gather_plan(transfer_id, src_block_ids, dst_block_ids)
                     peer.remote[layer].index_copy_(0, dst, self._kv_caches[layer].index_select(0, src))
-                    headers = landed_headers(headers[0], runs)
+                    headers = landed_headers(self._template(transfer_id, layer), runs)
                 else:
+                    headers = [c.header for c in chunks]
                     for chunk in chunks:
                         h = chunk.header
                         peer.remote[layer][h.dst_block_start : h.dst_block_start + h.num_blocks].copy_(
@@ -314,19 +306,25 @@ class CudaIpcSender:
                 done.record(self._stream)
         self._landed.put((peer, transfer_id, headers, done))
 
-    def _push_plan(
+    def _gather_plan(
         self, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]
-    ) -> tuple[str, list[int], list[int], torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """The push's block ids on the device and its runs of destination blocks, made once for
-        all its layers (the tensors on the copy stream)."""
+        all its layers. Called on the copy stream; the ids go up without waiting for it."""
         plan = self._plan
         if plan is None or plan[:3] != (transfer_id, src_block_ids, dst_block_ids):
             device = self._kv_caches[0].device
-            plan = (transfer_id, list(src_block_ids), list(dst_block_ids),
-                    torch.tensor(src_block_ids, dtype=torch.long, device=device),
-                    torch.tensor(dst_block_ids, dtype=torch.long, device=device), block_runs(dst_block_ids))
+            src, dst = (torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+                        for ids in (src_block_ids, dst_block_ids))  # fmt: skip
+            plan = (transfer_id, list(src_block_ids), list(dst_block_ids), src, dst, block_runs(dst_block_ids))
             self._plan = plan
-        return plan
+        return plan[3], plan[4], plan[5]
+
+    def _template(self, transfer_id: str, layer: int) -> kvpb.KVChunkHeader:
+        """A one-block header of this transfer and layer, for `landed_headers`."""
+        cache = self._kv_caches[layer]
+        return kvpb.KVChunkHeader(transfer_id=transfer_id, layer=layer, num_blocks=1,
+                                  num_bytes=cache.stride(0) * cache.element_size())  # fmt: skip
 
     def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
         return self._table.wait(transfer_id, timeout_s)
@@ -349,9 +347,7 @@ class CudaIpcSender:
             if peer is None:
                 peer = _Peer(endpoint, self._handshake, self._kv_caches)
                 self._peers[endpoint] = peer
-                threading.Thread(
-                    target=self._listen, args=(peer,), name="cuda-ipc-cancels", daemon=True
-                ).start()
+                threading.Thread(target=self._listen, args=(peer,), name="cuda-ipc-cancels", daemon=True).start()
             return peer
 
     def _notify(self) -> None:

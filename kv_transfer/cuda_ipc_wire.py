@@ -40,8 +40,16 @@ def landed_headers(header: kvpb.KVChunkHeader, runs: Sequence[tuple[int, int]]) 
     """Landed notices for these runs of destination blocks, in the fields of `header` (a chunk
     header of the same transfer and layer)."""
     block_bytes = header.num_bytes // header.num_blocks
-    return [kvpb.KVChunkHeader(transfer_id=header.transfer_id, layer=header.layer, dst_block_start=start,
-                               num_blocks=count, num_bytes=count * block_bytes) for start, count in runs]
+    return [
+        kvpb.KVChunkHeader(
+            transfer_id=header.transfer_id,
+            layer=header.layer,
+            dst_block_start=start,
+            num_blocks=count,
+            num_bytes=count * block_bytes,
+        )
+        for start, count in runs
+    ]
 
 
 def export_tensor(tensor: torch.Tensor) -> kvpb.CudaIpcTensor:

@@ -40,7 +40,7 @@ from vllm_cluster.kv_transfer.base import (
     KVTransferError,
     TransferStatus,
     check_block_ids,
-    split_segments,
+    push_segments,
 )
 from vllm_cluster.proto import kv_transfer_pb2
 
@@ -87,15 +87,11 @@ class ReceiveTable:
         check_block_ids(block_ids, self.num_blocks, "destination")
         sorted_ids = np.unique(np.asarray(block_ids, dtype=np.int64))
         if len(sorted_ids) != len(block_ids):
-            raise KVTransferError(
-                f"transfer {transfer_id!r} expects a block id twice: {list(block_ids)}"
-            )
+            raise KVTransferError(f"transfer {transfer_id!r} expects a block id twice: {list(block_ids)}")
         landed = np.zeros((self.layout.num_layers, len(sorted_ids)), dtype=bool)
         with self._cond:
             if transfer_id in self._incoming:
-                raise KVTransferError(
-                    f"transfer {transfer_id!r} is already expected; cancel it before reusing its id"
-                )
+                raise KVTransferError(f"transfer {transfer_id!r} is already expected; cancel it before reusing its id")
             self._incoming[transfer_id] = _Incoming(sorted_ids, landed, landed.size)
             if landed.size == 0:
                 self._finish(transfer_id, TransferStatus.DONE)
@@ -106,9 +102,7 @@ class ReceiveTable:
 
     def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
         with self._cond:
-            self._cond.wait_for(
-                lambda: self._status(transfer_id) != TransferStatus.PENDING, timeout_s
-            )
+            self._cond.wait_for(lambda: self._status(transfer_id) != TransferStatus.PENDING, timeout_s)
             return self._status(transfer_id)
 
     def wait_blocks(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> bool:
@@ -141,9 +135,7 @@ class ReceiveTable:
                 self._finished.pop(transfer_id, None)
             self._cond.notify_all()
 
-    def answer_handshake(
-        self, handshake: kv_transfer_pb2.Handshake
-    ) -> kv_transfer_pb2.HandshakeReply:
+    def answer_handshake(self, handshake: kv_transfer_pb2.Handshake) -> kv_transfer_pb2.HandshakeReply:
         """Accept a sender of our cluster (its token) whose layout equals ours; otherwise log
         why and refuse it."""
         if self._token and not hmac.compare_digest(handshake.cluster_token.encode(), self._token.encode()):
@@ -196,9 +188,7 @@ class ReceiveTable:
         """End the flight begun by `begin_chunk` (which returned a view)."""
         start, end = header.dst_block_start, header.dst_block_start + header.num_blocks
         corrupt = (
-            landed
-            and header.HasField("crc32")
-            and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
+            landed and header.HasField("crc32") and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
         )
         with self._cond:
             incoming = self._incoming.get(header.transfer_id)
@@ -206,8 +196,13 @@ class ReceiveTable:
                 return
             incoming.num_inflight -= 1
             if corrupt and incoming.status == TransferStatus.PENDING:
-                logger.error("transfer %r: layer %d blocks [%d, %d) landed corrupted (CRC-32 mismatch); "
-                             "failing the transfer", header.transfer_id, header.layer, start, end)
+                logger.error(
+                    "transfer %r: layer %d blocks [%d, %d) landed corrupted (CRC-32 mismatch); failing the transfer",
+                    header.transfer_id,
+                    header.layer,
+                    start,
+                    end,
+                )
                 self._finish(header.transfer_id, TransferStatus.FAILED)
             elif landed and incoming.status == TransferStatus.PENDING:
                 columns = _columns(incoming, start, end)
@@ -302,8 +297,7 @@ class SendTable:
         if not outgoing.done.wait(max(0.0, deadline - time.monotonic())):
             self.fail(
                 transfer_id,
-                f"timed out after {timeout_s:g} s with {outgoing.num_pending} sends of "
-                f"{transfer_id!r} not completed",
+                f"timed out after {timeout_s:g} s with {outgoing.num_pending} sends of {transfer_id!r} not completed",
             )
         with self._lock:
             self._outgoing.pop(transfer_id, None)
@@ -331,6 +325,20 @@ class OutgoingChunk:
     ready: torch.cuda.Event | None  # on CUDA: the send waits for the layer's compute
 
 
+def layer_ready(kv_caches: Sequence[torch.Tensor], layer: int, src_block_ids: Sequence[int]) -> torch.cuda.Event | None:
+    """Check a pushed layer and its source ids (KVTransferError); on CUDA, an event recorded
+    on the compute stream now, when the layer's compute has been queued (None on CPU: the
+    layer is ready when it is pushed)."""
+    if not 0 <= layer < len(kv_caches):
+        raise KVTransferError(f"layer {layer} is outside the cache's {len(kv_caches)} layers")
+    check_block_ids(src_block_ids, kv_caches[layer].shape[0], "source")
+    if not kv_caches[layer].is_cuda:
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(kv_caches[layer].device))
+    return ready
+
+
 def plan_chunks(
     kv_caches: Sequence[torch.Tensor],
     transfer_id: str,
@@ -339,21 +347,10 @@ def plan_chunks(
     dst_block_ids: Sequence[int],
 ) -> list[OutgoingChunk]:
     """Check a push_layer call and cut it into chunks; raises KVTransferError on bad arguments.
-
-    On CUDA it records an event in the current stream now, when the layer's compute has
-    been queued; on CPU the layer is ready when push_layer is called.
-    """
-    if not 0 <= layer < len(kv_caches):
-        raise KVTransferError(f"layer {layer} is outside the cache's {len(kv_caches)} layers")
-    check_block_ids(src_block_ids, kv_caches[layer].shape[0], "source")
-    try:
-        segments = split_segments(src_block_ids, dst_block_ids)
-    except ValueError as e:
-        raise KVTransferError(str(e)) from e
-    ready = None
-    if kv_caches[layer].is_cuda:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(kv_caches[layer].device))
+    The chunks' `ready` is `layer_ready`'s event."""
+    segments = push_segments(transfer_id, src_block_ids, dst_block_ids)
+    ready = layer_ready(kv_caches, layer, src_block_ids)
+    block_bytes = kv_caches[layer].stride(0) * kv_caches[layer].element_size()  # contiguous: check_kv_caches
     chunks = []
     injected = faults.active()
     if injected is not None:
@@ -366,7 +363,7 @@ def plan_chunks(
             layer=layer,
             dst_block_start=segment.dst_block_start,
             num_blocks=segment.num_blocks,
-            num_bytes=payload.numel() * payload.element_size(),
+            num_bytes=segment.num_blocks * block_bytes,
         )
         if not payload.is_cuda:
             header.crc32 = chunk_crc32(payload)

@@ -19,9 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _send(endpoint: str, transfer_id: str, block_size: int = 4, device: str = "cuda:0", dst: str = "7,8,9,3,4") -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "tests.kv_transfer.cuda_ipc_sender", endpoint, transfer_id, str(block_size), device,
-         dst],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "tests.kv_transfer.cuda_ipc_sender",
+            endpoint,
+            transfer_id,
+            str(block_size),
+            device,
+            dst,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1]
@@ -78,6 +89,28 @@ def test_a_receiver_with_more_blocks_than_the_sender_takes_them_all() -> None:
         outcome = _send(receiver.endpoint, "past", dst="62,63,64,65,3")
         assert outcome.startswith("failed") and "destination block ids [64, 65]" in outcome, outcome
         assert "64 blocks" in outcome
+    finally:
+        receiver.close()
+
+
+def test_fragmented_blocks_land_through_one_gather_and_scatter() -> None:
+    """Five runs (past the few the sender copies one by one): the layer moves as one gather
+    and one scatter, each block to its own destination, and every run is reported landed."""
+    from vllm_cluster.kv_transfer.cuda_ipc import CudaIpcReceiver
+
+    source = random_caches(seed=1)
+    caches = [c.cuda() for c in zero_caches(source)]
+    receiver = CudaIpcReceiver(caches, KVLayout.from_kv_caches(caches, MODEL))
+    dst = [15, 1, 13, 3, 11]
+    try:
+        receiver.expect("frag", dst)
+        assert _send(receiver.endpoint, "frag", dst=",".join(map(str, dst))) == "sent"
+        assert receiver.wait("frag", 10.0) == TransferStatus.DONE
+        for got, want in zip(caches, source, strict=True):
+            got = got.cpu()
+            for src, to in zip([0, 1, 2, 5, 6], dst, strict=True):
+                assert torch.equal(got[to], want[src])
+            assert not got[[b for b in range(16) if b not in dst]].any()
     finally:
         receiver.close()
 

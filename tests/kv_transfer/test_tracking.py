@@ -9,14 +9,12 @@ import torch
 
 from tests.kv_transfer.caches import MODEL, random_caches, zero_caches
 from vllm_cluster.kv_transfer import KVLayout, KVLayoutMismatch, KVTransferError, TransferStatus, make_sender
-from vllm_cluster.kv_transfer.base import Segment, pack_frames, split_segments, unpack_frame
+from vllm_cluster.kv_transfer.base import Segment, pack_frames, push_segments, split_segments, unpack_frame
 from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
 from vllm_cluster.proto import kv_transfer_pb2
 
 
-def header(
-    transfer_id: str, layer: int, start: int, num_blocks: int
-) -> kv_transfer_pb2.KVChunkHeader:
+def header(transfer_id: str, layer: int, start: int, num_blocks: int) -> kv_transfer_pb2.KVChunkHeader:
     block_bytes = 2 * 4 * 2 * 8 * 4  # [2, block_size 4, 2 heads, 8 dims] of float32
     return kv_transfer_pb2.KVChunkHeader(
         transfer_id=transfer_id,
@@ -95,10 +93,17 @@ def test_plan_chunks_sends_views_of_the_cache_without_copies() -> None:
         plan_chunks(caches, "t", 0, [16], [0])
 
 
+def test_push_segments_are_cut_once_per_transfer_and_follow_new_ids() -> None:
+    first = push_segments("memo", [0, 1, 2, 5], [10, 11, 3, 4])
+    assert first == [Segment(0, 10, 2), Segment(2, 3, 1), Segment(5, 4, 1)]
+    assert push_segments("memo", [0, 1, 2, 5], [10, 11, 3, 4]) is first  # the next layer: no new cut
+    assert push_segments("memo", [0, 1], [7, 8]) == [Segment(0, 7, 2)]  # same id, other blocks
+    with pytest.raises(KVTransferError, match="2 source blocks but 1 destination"):
+        push_segments("memo", [0, 1], [7])
+
+
 def test_receive_table_lands_layer_by_layer() -> None:
-    table = ReceiveTable(
-        zero_caches(random_caches(seed=0)), KVLayout.from_kv_caches(random_caches(seed=0), MODEL)
-    )
+    table = ReceiveTable(zero_caches(random_caches(seed=0)), KVLayout.from_kv_caches(random_caches(seed=0), MODEL))
     table.expect("t", [3, 4, 7])
     for layer in range(2):
         for start, num_blocks in [(3, 2), (7, 1)]:
@@ -163,14 +168,10 @@ def test_cancel_waits_for_the_write_in_flight() -> None:
 
 def test_receive_table_forgets_the_oldest_finished_transfers() -> None:
     caches = random_caches(seed=0)
-    table = ReceiveTable(
-        zero_caches(caches), KVLayout.from_kv_caches(caches, MODEL), max_num_finished=2
-    )
+    table = ReceiveTable(zero_caches(caches), KVLayout.from_kv_caches(caches, MODEL), max_num_finished=2)
     for transfer_id in ["a", "b", "c"]:
         table.expect(transfer_id, [])
-    assert [table.status(t) for t in "abc"] == [TransferStatus.CANCELLED] + [
-        TransferStatus.DONE
-    ] * 2
+    assert [table.status(t) for t in "abc"] == [TransferStatus.CANCELLED] + [TransferStatus.DONE] * 2
 
 
 def test_send_table_wait_is_done_failed_or_timed_out() -> None:
