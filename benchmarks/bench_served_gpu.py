@@ -68,14 +68,16 @@ def offline(args: argparse.Namespace, tmp: Path) -> float:
 @contextlib.contextmanager
 def profiled(cluster: LocalCluster, profile_dir: Path | None, run: str) -> Iterator[None]:
     """With --profile-dir: py-spy samples every process of the cluster (each thread, idle time
-    included) while the body runs, one collapsed-stack file per process. Where the
-    concurrency-1 TTFT goes in the prefill instance, its router and its decode instance."""
+    included; without pausing them, but the sampling still costs them time: read the TTFT of
+    a profiled run from another run) while the body runs, one collapsed-stack file per
+    process. Where the concurrency-1 TTFT goes in the prefill instance, its router and its
+    decode instance."""
     if profile_dir is None:
         yield
         return
     profile_dir.mkdir(parents=True, exist_ok=True)
-    spies = [subprocess.Popen(["py-spy", "record", "--pid", str(p.popen.pid), "--idle", "--threads", "--rate", "1000",
-                               "--format", "raw", "--output", str(profile_dir / f"{run}-{p.name}.txt")],
+    spies = [subprocess.Popen(["py-spy", "record", "--pid", str(p.popen.pid), "--idle", "--threads", "--nonblocking",
+                               "--rate", "1000", "--format", "raw", "--output", str(profile_dir / f"{run}-{p.name}.txt")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for p in cluster.processes]  # fmt: skip
     try:
