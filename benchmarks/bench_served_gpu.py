@@ -77,7 +77,8 @@ def profiled(cluster: LocalCluster, profile_dir: Path | None, run: str) -> Itera
         return
     profile_dir.mkdir(parents=True, exist_ok=True)
     spies = [subprocess.Popen(["py-spy", "record", "--pid", str(p.popen.pid), "--idle", "--threads", "--nonblocking",
-                               "--rate", "1000", "--format", "raw", "--output", str(profile_dir / f"{run}-{p.name}.txt")],
+                               "--rate", "1000", "--format", "raw", "--output",
+                               str(profile_dir / f"{run}-{p.name}.txt")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for p in cluster.processes]  # fmt: skip
     try:

@@ -46,7 +46,9 @@ def backend_of(endpoint_or_backend: str) -> str:
     """The backend named by "ucx" or by "ucx://HOST:PORT"; raises ValueError if unknown."""
     backend = endpoint_or_backend.partition("://")[0]
     if backend not in BACKENDS:
-        raise ValueError(f"unknown KV transfer backend {endpoint_or_backend!r}; use one of {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown KV transfer backend {endpoint_or_backend!r}; use one of {', '.join(BACKENDS)}"
+        )
     return backend
 
 

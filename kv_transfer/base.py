@@ -120,7 +120,9 @@ def check_kv_caches(kv_caches: Sequence[torch.Tensor]) -> None:
                 f"{first.dtype} {tuple(first.shape)}; every layer must have the same block shape"
             )
         if cache.device != first.device:
-            raise ValueError(f"kv_caches[{layer}] is on {cache.device}, kv_caches[0] on {first.device}")
+            raise ValueError(
+                f"kv_caches[{layer}] is on {cache.device}, kv_caches[0] on {first.device}"
+            )
         if not cache.is_contiguous():
             raise ValueError(f"kv_caches[{layer}] is not contiguous; a block must be one range")
 
@@ -201,7 +203,9 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> Non
     """Raise KVTransferError unless every id is a block of a cache with `num_blocks` blocks."""
     if block_ids and not 0 <= min(block_ids) <= max(block_ids) < num_blocks:
         bad = [b for b in block_ids if not 0 <= b < num_blocks]
-        raise KVTransferError(f"{what} block ids {bad[:8]} are outside the cache's {num_blocks} blocks")
+        raise KVTransferError(
+            f"{what} block ids {bad[:8]} are outside the cache's {num_blocks} blocks"
+        )
 
 
 _LENGTH_BYTES = 8
@@ -315,4 +319,6 @@ class KVSender(Protocol):
 def handshake_message(layout: KVLayout, sender_id: str, cluster_token: str) -> kv_transfer_pb2.Handshake:
     """A sender's first message: its layout, its name and its cluster's token (the receiver
     accepts KV only from processes of its own cluster)."""
-    return kv_transfer_pb2.Handshake(layout=layout.to_proto(), sender_id=sender_id, cluster_token=cluster_token)
+    return kv_transfer_pb2.Handshake(
+        layout=layout.to_proto(), sender_id=sender_id, cluster_token=cluster_token
+    )

@@ -48,6 +48,7 @@ from vllm_cluster.kv_transfer.base import (
 )
 from vllm_cluster.kv_transfer.cuda_ipc_wire import (
     FRAME,
+    block_header,
     block_runs,
     export_tensor,
     import_tensor,
@@ -112,9 +113,13 @@ class CudaIpcReceiver:
         cluster_token: str = "",
     ) -> None:
         if not kv_caches[0].is_cuda:
-            raise KVTransferError("the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU")
+            raise KVTransferError(
+                "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
+            )
         self._table = ReceiveTable(kv_caches, layout, cluster_token)
-        self._export = kvpb.CudaIpcExport(layers=[export_tensor(t) for t in kv_caches]).SerializeToString()
+        self._export = kvpb.CudaIpcExport(
+            layers=[export_tensor(t) for t in kv_caches]
+        ).SerializeToString()
         self._server = socket.create_server((host, port))
         self.endpoint = f"cuda_ipc://{host}:{self._server.getsockname()[1]}"
         self._conns: list[_Conn] = []
@@ -173,7 +178,9 @@ class CudaIpcReceiver:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(_Conn(sock),), name="cuda-ipc-recv", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(_Conn(sock),), name="cuda-ipc-recv", daemon=True
+            ).start()
 
     def _serve(self, conn: _Conn) -> None:
         try:
@@ -247,7 +254,9 @@ class CudaIpcSender:
         self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = ""
     ) -> None:
         if not kv_caches[0].is_cuda:
-            raise KVTransferError("the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU")
+            raise KVTransferError(
+                "the cuda_ipc backend needs KV caches on a CUDA device: use ucx or nccl on CPU"
+            )
         self._kv_caches = list(kv_caches)
         self._handshake = handshake_message(layout, sender_id, cluster_token).SerializeToString()
         self._table = SendTable()
@@ -257,7 +266,9 @@ class CudaIpcSender:
         self._stream = torch.cuda.Stream(kv_caches[0].device)
         # The push in progress: (transfer id, src ids, dst ids, their device tensors, runs of dst ids)
         self._plan: tuple[str, list[int], list[int], torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
-        self._landed: queue.Queue[tuple[_Peer, str, list[kvpb.KVChunkHeader], torch.cuda.Event] | None] = queue.Queue()
+        self._landed: queue.Queue[
+            tuple[_Peer, str, list[kvpb.KVChunkHeader], torch.cuda.Event] | None
+        ] = queue.Queue()
         self._notifier = threading.Thread(target=self._notify, name="cuda-ipc-notify", daemon=True)
         self._notifier.start()
 
@@ -294,7 +305,7 @@ class CudaIpcSender:
                 if gather:
                     src, dst, runs = self._gather_plan(transfer_id, src_block_ids, dst_block_ids)
                     peer.remote[layer].index_copy_(0, dst, self._kv_caches[layer].index_select(0, src))
-                    headers = landed_headers(self._template(transfer_id, layer), runs)
+                    headers = landed_headers(block_header(transfer_id, layer, self._kv_caches[layer]), runs)
                 else:
                     headers = [c.header for c in chunks]
                     for chunk in chunks:
@@ -320,12 +331,6 @@ class CudaIpcSender:
             self._plan = plan
         return plan[3], plan[4], plan[5]
 
-    def _template(self, transfer_id: str, layer: int) -> kvpb.KVChunkHeader:
-        """A one-block header of this transfer and layer, for `landed_headers`."""
-        cache = self._kv_caches[layer]
-        return kvpb.KVChunkHeader(transfer_id=transfer_id, layer=layer, num_blocks=1,
-                                  num_bytes=cache.stride(0) * cache.element_size())  # fmt: skip
-
     def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
         return self._table.wait(transfer_id, timeout_s)
 
@@ -347,7 +352,9 @@ class CudaIpcSender:
             if peer is None:
                 peer = _Peer(endpoint, self._handshake, self._kv_caches)
                 self._peers[endpoint] = peer
-                threading.Thread(target=self._listen, args=(peer,), name="cuda-ipc-cancels", daemon=True).start()
+                threading.Thread(
+                    target=self._listen, args=(peer,), name="cuda-ipc-cancels", daemon=True
+                ).start()
             return peer
 
     def _notify(self) -> None:

@@ -36,20 +36,19 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return [(ids[a], b - a) for a, b in zip(starts, [*starts[1:], len(ids)], strict=True)]
 
 
+def block_header(transfer_id: str, layer: int, cache: torch.Tensor) -> kvpb.KVChunkHeader:
+    """A one-block header of this transfer and layer (`cache`: the layer's contiguous cache),
+    the template of `landed_headers`."""
+    num_bytes = cache.stride(0) * cache.element_size()
+    return kvpb.KVChunkHeader(transfer_id=transfer_id, layer=layer, num_blocks=1, num_bytes=num_bytes)
+
+
 def landed_headers(header: kvpb.KVChunkHeader, runs: Sequence[tuple[int, int]]) -> list[kvpb.KVChunkHeader]:
     """Landed notices for these runs of destination blocks, in the fields of `header` (a chunk
     header of the same transfer and layer)."""
     block_bytes = header.num_bytes // header.num_blocks
-    return [
-        kvpb.KVChunkHeader(
-            transfer_id=header.transfer_id,
-            layer=header.layer,
-            dst_block_start=start,
-            num_blocks=count,
-            num_bytes=count * block_bytes,
-        )
-        for start, count in runs
-    ]
+    return [kvpb.KVChunkHeader(transfer_id=header.transfer_id, layer=header.layer, dst_block_start=start,
+                               num_blocks=count, num_bytes=count * block_bytes) for start, count in runs]
 
 
 def export_tensor(tensor: torch.Tensor) -> kvpb.CudaIpcTensor:

@@ -39,9 +39,8 @@ class Faults:
             if name not in ("corrupt", "drop", "delay_ms", "seed"):
                 raise ValueError(f"kv faults: unknown fault {name!r}; use corrupt, drop, delay_ms, seed")
             values[name] = float(value)
-        faults = cls(
-            values.get("corrupt", 0.0), values.get("drop", 0.0), values.get("delay_ms", 0.0), int(values.get("seed", 0))
-        )
+        faults = cls(values.get("corrupt", 0.0), values.get("drop", 0.0), values.get("delay_ms", 0.0),
+                     int(values.get("seed", 0)))
         if not (0 <= faults.corrupt <= 1 and 0 <= faults.drop <= 1 and faults.delay_ms >= 0):
             raise ValueError(f"kv faults: probabilities must be in [0, 1] and delay_ms >= 0, got {spec!r}")
         return faults

@@ -39,7 +39,9 @@ _registry_lock = threading.Lock()
 
 
 class LocalReceiver:
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, name: str, cluster_token: str = "") -> None:
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, name: str, cluster_token: str = ""
+    ) -> None:
         check_kv_caches(kv_caches)
         self.endpoint = f"local://{name}"
         self._table = ReceiveTable(kv_caches, layout, cluster_token)

@@ -120,7 +120,9 @@ class TorchDistReceiver:
         self._closed = threading.Event()
         self._peer_threads: dict[int, threading.Thread] = {}
         self._lock = threading.Lock()
-        self._watcher = threading.Thread(target=self._watch_joins, name="kv-recv-joins", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch_joins, name="kv-recv-joins", daemon=True
+        )
         self._watcher.start()
         _open_objects.add(self)
 
@@ -163,7 +165,9 @@ class TorchDistReceiver:
         joins = self._client(_IDLE_TIMEOUT)
         while (message := pop(joins, "joins")) and not self._closed.is_set():
             index = int(message)
-            thread = threading.Thread(target=self._serve_peer, args=(index,), name=f"kv-recv-peer{index}", daemon=True)
+            thread = threading.Thread(
+                target=self._serve_peer, args=(index,), name=f"kv-recv-peer{index}", daemon=True
+            )
             with self._lock:
                 self._peer_threads[index] = thread
             thread.start()
@@ -224,7 +228,9 @@ class _DistPeer:
     new connection on the next push. A None in the queue stops the thread.
     """
 
-    def __init__(self, endpoint: str, handshake: bytes, device: torch.device, table: SendTable, host: str = "") -> None:
+    def __init__(
+        self, endpoint: str, handshake: bytes, device: torch.device, table: SendTable, host: str = ""
+    ) -> None:
         self.endpoint = endpoint
         self.local_host = host  # where this side's gloo socket binds ("": the route's source address)
         self.host, self.port = parse_endpoint(endpoint, "nccl")
@@ -319,11 +325,7 @@ class _DistPeer:
 
 class TorchDistSender:
     def __init__(
-        self,
-        kv_caches: Sequence[torch.Tensor],
-        layout: KVLayout,
-        sender_id: str,
-        cluster_token: str = "",
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, sender_id: str, cluster_token: str = "",
         host: str = "",
     ) -> None:
         """`host`: this process's KV address, where its gloo sockets bind; "" or a wildcard: the

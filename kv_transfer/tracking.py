@@ -87,11 +87,15 @@ class ReceiveTable:
         check_block_ids(block_ids, self.num_blocks, "destination")
         sorted_ids = np.unique(np.asarray(block_ids, dtype=np.int64))
         if len(sorted_ids) != len(block_ids):
-            raise KVTransferError(f"transfer {transfer_id!r} expects a block id twice: {list(block_ids)}")
+            raise KVTransferError(
+                f"transfer {transfer_id!r} expects a block id twice: {list(block_ids)}"
+            )
         landed = np.zeros((self.layout.num_layers, len(sorted_ids)), dtype=bool)
         with self._cond:
             if transfer_id in self._incoming:
-                raise KVTransferError(f"transfer {transfer_id!r} is already expected; cancel it before reusing its id")
+                raise KVTransferError(
+                    f"transfer {transfer_id!r} is already expected; cancel it before reusing its id"
+                )
             self._incoming[transfer_id] = _Incoming(sorted_ids, landed, landed.size)
             if landed.size == 0:
                 self._finish(transfer_id, TransferStatus.DONE)
@@ -102,7 +106,9 @@ class ReceiveTable:
 
     def wait(self, transfer_id: str, timeout_s: float) -> TransferStatus:
         with self._cond:
-            self._cond.wait_for(lambda: self._status(transfer_id) != TransferStatus.PENDING, timeout_s)
+            self._cond.wait_for(
+                lambda: self._status(transfer_id) != TransferStatus.PENDING, timeout_s
+            )
             return self._status(transfer_id)
 
     def wait_blocks(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float) -> bool:
@@ -135,7 +141,9 @@ class ReceiveTable:
                 self._finished.pop(transfer_id, None)
             self._cond.notify_all()
 
-    def answer_handshake(self, handshake: kv_transfer_pb2.Handshake) -> kv_transfer_pb2.HandshakeReply:
+    def answer_handshake(
+        self, handshake: kv_transfer_pb2.Handshake
+    ) -> kv_transfer_pb2.HandshakeReply:
         """Accept a sender of our cluster (its token) whose layout equals ours; otherwise log
         why and refuse it."""
         if self._token and not hmac.compare_digest(handshake.cluster_token.encode(), self._token.encode()):
@@ -188,7 +196,9 @@ class ReceiveTable:
         """End the flight begun by `begin_chunk` (which returned a view)."""
         start, end = header.dst_block_start, header.dst_block_start + header.num_blocks
         corrupt = (
-            landed and header.HasField("crc32") and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
+            landed
+            and header.HasField("crc32")
+            and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
         )
         with self._cond:
             incoming = self._incoming.get(header.transfer_id)
@@ -196,13 +206,8 @@ class ReceiveTable:
                 return
             incoming.num_inflight -= 1
             if corrupt and incoming.status == TransferStatus.PENDING:
-                logger.error(
-                    "transfer %r: layer %d blocks [%d, %d) landed corrupted (CRC-32 mismatch); failing the transfer",
-                    header.transfer_id,
-                    header.layer,
-                    start,
-                    end,
-                )
+                logger.error("transfer %r: layer %d blocks [%d, %d) landed corrupted (CRC-32 mismatch); "
+                             "failing the transfer", header.transfer_id, header.layer, start, end)
                 self._finish(header.transfer_id, TransferStatus.FAILED)
             elif landed and incoming.status == TransferStatus.PENDING:
                 columns = _columns(incoming, start, end)
@@ -297,7 +302,8 @@ class SendTable:
         if not outgoing.done.wait(max(0.0, deadline - time.monotonic())):
             self.fail(
                 transfer_id,
-                f"timed out after {timeout_s:g} s with {outgoing.num_pending} sends of {transfer_id!r} not completed",
+                f"timed out after {timeout_s:g} s with {outgoing.num_pending} sends of "
+                f"{transfer_id!r} not completed",
             )
         with self._lock:
             self._outgoing.pop(transfer_id, None)

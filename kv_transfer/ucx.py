@@ -301,7 +301,9 @@ class _UcxPeer:
             self.failure = reply.error
         return ep, reader
 
-    async def _send_next(self, ep: Any, in_flight: deque[tuple[OutgoingChunk | None, asyncio.Task[Any]]]) -> None:
+    async def _send_next(
+        self, ep: Any, in_flight: deque[tuple[OutgoingChunk | None, asyncio.Task[Any]]]
+    ) -> None:
         """Start the sends of the next queued push, or retire the oldest send in flight."""
         if in_flight and (self.queue.empty() or len(in_flight) >= _MAX_SENDS_IN_FLIGHT):
             chunk, oldest = in_flight[0]

@@ -16,7 +16,10 @@ def random_caches(
 ) -> list[torch.Tensor]:
     """One [num_blocks, 2, block_size, 2 heads, 8 dims] tensor per layer, the same for a seed."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(num_blocks, 2, block_size, 2, 8, generator=generator).to(dtype) for _ in range(num_layers)]
+    return [
+        torch.randn(num_blocks, 2, block_size, 2, 8, generator=generator).to(dtype)
+        for _ in range(num_layers)
+    ]
 
 
 def zero_caches(like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -35,7 +35,11 @@ def no_leaked_threads() -> Iterator[None]:
     yield
     deadline = time.monotonic() + 5.0
     while True:
-        leaked = [t.name for t in threading.enumerate() if t not in before and t.name not in PROCESS_WIDE_THREADS]
+        leaked = [
+            t.name
+            for t in threading.enumerate()
+            if t not in before and t.name not in PROCESS_WIDE_THREADS
+        ]
         if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -20,7 +20,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def wait_until_landed(dst: torch.Tensor, dst_block_ids: list[int], src: torch.Tensor, src_block_ids: list[int]) -> None:
+def wait_until_landed(
+    dst: torch.Tensor, dst_block_ids: list[int], src: torch.Tensor, src_block_ids: list[int]
+) -> None:
     """Poll until dst[dst_block_ids] equals src[src_block_ids] (a layer in flight lands)."""
     deadline = time.monotonic() + TIMEOUT_S
     while not same_bytes(dst[dst_block_ids], src[src_block_ids]):
@@ -131,7 +133,9 @@ def test_cancel_stops_writes_and_forgets(backend: str, closing: list[Any]) -> No
     assert receiver.status("stranger") == TransferStatus.CANCELLED
 
 
-def test_layout_mismatch_fails_the_sender_and_receiver_keeps_serving(backend: str, closing: list[Any]) -> None:
+def test_layout_mismatch_fails_the_sender_and_receiver_keeps_serving(
+    backend: str, closing: list[Any]
+) -> None:
     src, dst, good_sender, receiver = open_pair(backend, closing)
     bad_caches = random_caches(seed=3, block_size=8, dtype=torch.float64)
     bad_layout = KVLayout.from_kv_caches(bad_caches, MODEL)

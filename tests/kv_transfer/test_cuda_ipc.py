@@ -19,20 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _send(endpoint: str, transfer_id: str, block_size: int = 4, device: str = "cuda:0", dst: str = "7,8,9,3,4") -> str:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.kv_transfer.cuda_ipc_sender",
-            endpoint,
-            transfer_id,
-            str(block_size),
-            device,
-            dst,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-m", "tests.kv_transfer.cuda_ipc_sender", endpoint, transfer_id, str(block_size), device,
+         dst],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1]

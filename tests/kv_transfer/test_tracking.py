@@ -14,7 +14,9 @@ from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chun
 from vllm_cluster.proto import kv_transfer_pb2
 
 
-def header(transfer_id: str, layer: int, start: int, num_blocks: int) -> kv_transfer_pb2.KVChunkHeader:
+def header(
+    transfer_id: str, layer: int, start: int, num_blocks: int
+) -> kv_transfer_pb2.KVChunkHeader:
     block_bytes = 2 * 4 * 2 * 8 * 4  # [2, block_size 4, 2 heads, 8 dims] of float32
     return kv_transfer_pb2.KVChunkHeader(
         transfer_id=transfer_id,
@@ -103,7 +105,9 @@ def test_push_segments_are_cut_once_per_transfer_and_follow_new_ids() -> None:
 
 
 def test_receive_table_lands_layer_by_layer() -> None:
-    table = ReceiveTable(zero_caches(random_caches(seed=0)), KVLayout.from_kv_caches(random_caches(seed=0), MODEL))
+    table = ReceiveTable(
+        zero_caches(random_caches(seed=0)), KVLayout.from_kv_caches(random_caches(seed=0), MODEL)
+    )
     table.expect("t", [3, 4, 7])
     for layer in range(2):
         for start, num_blocks in [(3, 2), (7, 1)]:
@@ -168,10 +172,14 @@ def test_cancel_waits_for_the_write_in_flight() -> None:
 
 def test_receive_table_forgets_the_oldest_finished_transfers() -> None:
     caches = random_caches(seed=0)
-    table = ReceiveTable(zero_caches(caches), KVLayout.from_kv_caches(caches, MODEL), max_num_finished=2)
+    table = ReceiveTable(
+        zero_caches(caches), KVLayout.from_kv_caches(caches, MODEL), max_num_finished=2
+    )
     for transfer_id in ["a", "b", "c"]:
         table.expect(transfer_id, [])
-    assert [table.status(t) for t in "abc"] == [TransferStatus.CANCELLED] + [TransferStatus.DONE] * 2
+    assert [table.status(t) for t in "abc"] == [TransferStatus.CANCELLED] + [
+        TransferStatus.DONE
+    ] * 2
 
 
 def test_send_table_wait_is_done_failed_or_timed_out() -> None:
