@@ -310,7 +310,7 @@ class CudaIpcSender:
                     headers = [c.header for c in chunks]
                     for chunk in chunks:
                         h = chunk.header
-                        peer.remote[layer][h.dst_block_start : h.dst_block_start + h.num_blocks].copy_(
+                        peer.remote[layer].narrow(0, h.dst_block_start, h.num_blocks).copy_(
                             chunk.payload, non_blocking=True
                         )
                 done = torch.cuda.Event()

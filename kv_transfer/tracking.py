@@ -190,7 +190,7 @@ class ReceiveTable:
                 return None
             incoming.num_inflight += 1
         # view: [num_blocks, 2, block_size, num_kv_heads, head_dim], contiguous
-        return self.kv_caches[header.layer][start:end]
+        return self.kv_caches[header.layer].narrow(0, start, end - start)
 
     def end_chunk(self, header: kv_transfer_pb2.KVChunkHeader, landed: bool) -> None:
         """End the flight begun by `begin_chunk` (which returned a view)."""
@@ -363,7 +363,7 @@ def plan_chunks(
         faults.delay(injected[0])
     for segment in segments:
         start = segment.src_block_start
-        payload = kv_caches[layer][start : start + segment.num_blocks]
+        payload = kv_caches[layer].narrow(0, start, segment.num_blocks)  # a view; narrow is cheaper than a slice
         header = kv_transfer_pb2.KVChunkHeader(
             transfer_id=transfer_id,
             layer=layer,
