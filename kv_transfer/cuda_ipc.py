@@ -292,8 +292,11 @@ class CudaIpcSender:
         try:
             peer = self._peer(endpoint)
             check_block_ids(dst_block_ids, peer.remote[layer].shape[0], f"{endpoint}: destination")
-        except (OSError, KVTransferError) as e:
-            self._table.fail(transfer_id, f"cannot reach {endpoint}: {e}" if isinstance(e, OSError) else str(e))
+        except OSError as e:
+            self._table.fail(transfer_id, f"cannot reach {endpoint}: {e}")
+            return
+        except KVTransferError as e:  # a refused handshake, or destination ids the receiver lacks
+            self._table.fail(transfer_id, str(e))
             return
         with self._lock:
             if transfer_id in self._cancelled:

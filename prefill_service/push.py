@@ -38,7 +38,6 @@ class ReservationPush:
         self.status: TransferStatus | None = None  # None: nothing to send
         self.error: str | None = None
         self.transfer_s = 0.0
-        self._queued = False  # a layer went to the sender: `finish` waits for it
 
     def push_layer(self, layer: int, src_block_ids: list[int]) -> None:
         if not src_block_ids or self.error is not None:
@@ -57,14 +56,13 @@ class ReservationPush:
                 logger.exception("transfer %s: the KV sender raised at layer %d", self._transfer_id, layer)
             self.error = f"layer {layer} was not sent: {e}"
             return
-        self._queued = True
-        self.num_blocks_sent = len(src_block_ids)
+        self.num_blocks_sent = len(src_block_ids)  # nonzero: `finish` waits for the layers queued
 
     def finish(self) -> None:
-        if not self._queued and self.error is None:
+        if self.num_blocks_sent == 0 and self.error is None:
             return
         start = time.monotonic()
-        if self._queued:
+        if self.num_blocks_sent:
             self.status = self._sender.wait(self._transfer_id, self._timeout_s)
             if self.status != TransferStatus.DONE and self.error is None:
                 self.error = self._sender.error(self._transfer_id) or f"transfer {self.status.name.lower()}"
