@@ -8,8 +8,9 @@ size 16: 24 KiB per block per layer). A transfer pushes every layer of N blocks,
 layer as prefill does, and is timed from the first push_layer to the receiver's DONE. The
 copy baseline runs `dst[layer][d:d+n].copy_(src[layer][s:s+n])` over the same segments.
 Block ids are consecutive on both sides (one segment per layer) except in the
-"fragmented" case, where every block is its own segment. Sender and receiver live in the
-same process (two threads of the same 2-core VM), so they share the cores and the GIL.
+"fragmented" cases, where every block is its own segment: sent as one gathered chunk per
+layer (what the senders do past a few runs), and as a chunk per run. Sender and receiver
+live in the same process (two threads of the same 2-core VM): they share cores and GIL.
 Results print as a markdown table: best of --repeat interleaved runs.
 """
 
@@ -29,6 +30,7 @@ from vllm_cluster.kv_transfer import (
     KVReceiver,
     KVSender,
     TransferStatus,
+    chunks,
     make_receiver,
     make_sender,
 )
@@ -37,6 +39,7 @@ from vllm_cluster.kv_transfer.base import split_segments
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 BACKEND_LABELS = {"local": "local", "ucx": "ucx (tcp)", "nccl": "gloo"}
 _transfer_ids = itertools.count()
+GATHER_PAST_RUNS = chunks.MAX_RUN_CHUNKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,7 @@ class Case:
     name: str
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    gather: bool = True  # False: a chunk per run however many runs (as before gathered chunks)
 
 
 def make_cases(num_blocks: int) -> list[Case]:
@@ -53,6 +57,7 @@ def make_cases(num_blocks: int) -> list[Case]:
         Case("64 blocks", list(range(64)), list(range(100, 164))),
         Case("256 blocks", list(range(256)), list(range(300, 556))),
         Case("256 blocks, fragmented", list(range(0, 512, 2)), shuffled),
+        Case("256 blocks, fragmented, a chunk per run", list(range(0, 512, 2)), shuffled, gather=False),
         Case("1024 blocks", list(range(1024)), list(range(num_blocks - 1024, num_blocks))),
     ]
 
@@ -86,10 +91,14 @@ def transfer_fn(sender: KVSender, receiver: KVReceiver, case: Case) -> Callable[
     def run() -> None:
         transfer_id = f"bench-{next(_transfer_ids)}"
         receiver.expect(transfer_id, case.dst_block_ids)
-        for layer in range(NUM_LAYERS):
-            sender.push_layer(
-                receiver.endpoint, transfer_id, layer, case.src_block_ids, case.dst_block_ids
-            )
+        chunks.MAX_RUN_CHUNKS = GATHER_PAST_RUNS if case.gather else 1 << 30
+        try:
+            for layer in range(NUM_LAYERS):
+                sender.push_layer(
+                    receiver.endpoint, transfer_id, layer, case.src_block_ids, case.dst_block_ids
+                )
+        finally:
+            chunks.MAX_RUN_CHUNKS = GATHER_PAST_RUNS
         assert receiver.wait(transfer_id, 300.0) == TransferStatus.DONE
         assert sender.wait(transfer_id, 300.0) == TransferStatus.DONE
 

@@ -46,6 +46,7 @@ from vllm_cluster.kv_transfer.base import (
     parse_endpoint,
     push_segments,
 )
+from vllm_cluster.kv_transfer.chunks import MAX_RUN_CHUNKS, layer_ready, plan_chunks
 from vllm_cluster.kv_transfer.cuda_ipc_wire import (
     FRAME,
     block_header,
@@ -55,7 +56,7 @@ from vllm_cluster.kv_transfer.cuda_ipc_wire import (
     landed_headers,
     read_frame,
 )
-from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, layer_ready, plan_chunks
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable
 from vllm_cluster.proto import kv_transfer_pb2 as kvpb
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,6 @@ _HANDSHAKE, _REPLY, _EXPORT, _LANDED, _CANCEL, _CANCEL_ACK = range(1, 7)
 _FRAME = FRAME
 _CANCEL_TIMEOUT_S = 10.0
 _MAX_CANCELLED = 4096
-_MAX_RUN_COPIES = 4  # more runs in a layer than this: one gather + one scatter instead
 
 
 def _send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
@@ -201,8 +201,8 @@ class CudaIpcReceiver:
                 if kind == _LANDED:
                     header = kvpb.KVChunkHeader.FromString(payload)
                     self._table.check_header(header)
-                    if self._table.begin_chunk(header) is not None:
-                        self._table.end_chunk(header, landed=True)
+                    if (view := self._table.begin_chunk(header)) is not None:
+                        self._table.end_chunk(header, view, landed=True)
                 elif kind == _CANCEL_ACK:
                     with conn.lock:
                         event = conn.acks.pop(payload.decode(), None)
@@ -282,11 +282,12 @@ class CudaIpcSender:
     ) -> None:
         # Fragmented blocks (more runs than a few copies) move in one gather and one scatter,
         # from index tensors made once per transfer: no per-run work on this (the engine's) thread.
-        gather = len(push_segments(transfer_id, src_block_ids, dst_block_ids)) > _MAX_RUN_COPIES
-        if gather and faults.active() is None:
+        num_runs = len(push_segments(transfer_id, src_block_ids, dst_block_ids))
+        gather = num_runs > MAX_RUN_CHUNKS and faults.active() is None
+        if gather:
             ready, chunks = layer_ready(self._kv_caches, layer, src_block_ids), []
         else:  # a few runs, or injected faults (which drop or corrupt single chunks)
-            chunks, gather = plan_chunks(self._kv_caches, transfer_id, layer, src_block_ids, dst_block_ids), False
+            chunks = plan_chunks(self._kv_caches, transfer_id, layer, src_block_ids, dst_block_ids, gather=False)
             ready = chunks[0].ready if chunks else None
         self._table.add(transfer_id, 1)
         try:

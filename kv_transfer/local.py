@@ -31,7 +31,8 @@ from vllm_cluster.kv_transfer.base import (
     check_kv_caches,
     handshake_message,
 )
-from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.kv_transfer.chunks import plan_chunks
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable
 from vllm_cluster.proto import kv_transfer_pb2
 
 _registry: dict[str, LocalReceiver] = {}
@@ -85,7 +86,7 @@ class LocalReceiver:
             dst.copy_(src)
             landed = True
         finally:
-            self._table.end_chunk(header, landed)
+            self._table.end_chunk(header, dst, landed)
 
 
 class LocalSender:

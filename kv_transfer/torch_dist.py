@@ -14,14 +14,14 @@ Lifecycle of a transfer:
    and, if it accepted, both sides build the pair group (rank 0 receiver, rank 1 sender)
    over the store. A refused sender fails every transfer to that endpoint with the
    mismatch message; the receiver logs it and keeps serving others.
-3. `push_layer` cuts the blocks into segments (consecutive source and destination ids)
-   and queues them; on CUDA it records an event that the send waits for.
-4. Per push the sender pushes one frame onto "peer{i}/ctl": the segments'
+3. `push_layer` cuts the layer into chunks (chunks.py: a view per run of consecutive ids,
+   or one gathered buffer past a few runs) and queues them; on CUDA with an event to wait.
+4. Per push the sender pushes one frame onto "peer{i}/ctl": the chunks'
    `KVChunkHeader`s, each prefixed with its length (8 bytes, little-endian). Then it sends
-   each segment's raw bytes straight from the cache view through the pair group, in order.
-5. The receiver pops the frame and posts one receive per header, straight into the
-   destination view (or into scratch when the transfer is unknown or cancelled). Once
-   every layer of every expected block has landed, the transfer is DONE.
+   each chunk's raw bytes through the pair group, in order.
+5. The receiver pops the frame and posts one receive per header, into the destination
+   view or a gathered chunk's buffer, scattered on arrival (into scratch when the transfer
+   is unknown or cancelled). Once every layer of every block landed, it is DONE.
 6. `sender.wait(tid)` is DONE once every send of the transfer completed locally.
 7. A broken pair (dead peer, timeout) fails the sender's transfers on it (the next push
    reconnects); on the receiver it ends that peer's thread only, and its transfers stay
@@ -65,8 +65,9 @@ from vllm_cluster.kv_transfer.base import (
     parse_endpoint,
     unpack_frame,
 )
+from vllm_cluster.kv_transfer.chunks import OutgoingChunk, plan_chunks
 from vllm_cluster.kv_transfer.torch_dist_io import local_address_towards, pair_group, pop, wait_done
-from vllm_cluster.kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable
 from vllm_cluster.proto import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class TorchDistReceiver:
                 except _CONNECTION_ERRORS as e:
                     error = e  # the pair is closed: the later receives write nothing either
             if dst is not None:
-                self._table.end_chunk(header, landed)
+                self._table.end_chunk(header, dst, landed)
         if error is not None:
             raise error
 

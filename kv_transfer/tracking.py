@@ -4,11 +4,12 @@
 land and what has landed:
 
 1. `expect(tid, block_ids)` registers the transfer as PENDING.
-2. For each incoming chunk the backend calls `begin_chunk(header)`: it returns the
-   destination view to receive into (the chunk is then in flight), or None when the bytes
-   must go to scratch and be dropped (unknown, cancelled or finished transfer).
-3. `end_chunk(header, landed)` ends the flight; once every (layer, block) landed the
-   transfer is DONE.
+2. For each incoming chunk the backend calls `begin_chunk(header)`: it returns where to
+   receive the bytes (the chunk is then in flight): the destination view, or for a gathered
+   chunk (`chunks.py`) a buffer of its blocks; or None when the bytes must go to scratch
+   and be dropped (unknown, cancelled or finished transfer).
+3. `end_chunk(header, received, landed)` ends the flight (a gathered chunk's blocks are
+   scattered into place first); once every (layer, block) landed the transfer is DONE.
    `wait_blocks(tid, block_ids)` waits for a part of it (a pull fills leading blocks only).
 4. `cancel(tid)` marks it CANCELLED, so no new chunk begins, waits for the chunks in
    flight, then forgets it. Finished transfers are kept (for `status`) until cancelled or
@@ -25,7 +26,6 @@ import hmac
 import logging
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,15 +33,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_cluster.kv_transfer import faults
 from vllm_cluster.kv_transfer.base import (
     KVLayout,
     KVLayoutMismatch,
     KVTransferError,
     TransferStatus,
     check_block_ids,
-    push_segments,
 )
+from vllm_cluster.kv_transfer.chunks import chunk_crc32
 from vllm_cluster.proto import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -56,11 +55,25 @@ class _Incoming:
     num_inflight: int = 0
 
 
-def _columns(incoming: _Incoming, start: int, end: int) -> slice | None:
-    """The columns of blocks [start, end) in `incoming.landed`; None unless all are expected."""
+def _columns(incoming: _Incoming, header: kv_transfer_pb2.KVChunkHeader) -> slice | np.ndarray | None:
+    """The columns of a chunk's blocks in `incoming.landed`; None unless all are expected."""
+    if header.dst_block_ids:  # a gathered chunk: any ids, each once
+        ids = np.asarray(header.dst_block_ids, dtype=np.int64)
+        columns = np.searchsorted(incoming.block_ids, ids)
+        known = columns < len(incoming.block_ids)
+        if not known.all() or (incoming.block_ids[columns] != ids).any() or len(np.unique(ids)) != len(ids):
+            return None
+        return columns
     # block_ids is sorted and unique, so [start, end) is expected iff it holds end - start ids.
+    start, end = header.dst_block_start, header.dst_block_start + header.num_blocks
     lo, hi = np.searchsorted(incoming.block_ids, [start, end])
     return slice(int(lo), int(hi)) if hi - lo == end - start else None
+
+
+def _describe(header: kv_transfer_pb2.KVChunkHeader) -> str:
+    if header.dst_block_ids:
+        return str(list(header.dst_block_ids))
+    return f"[{header.dst_block_start}, {header.dst_block_start + header.num_blocks})"
 
 
 class ReceiveTable:
@@ -164,6 +177,11 @@ class ReceiveTable:
                 f"chunk header for {header.transfer_id!r} has layer {header.layer} and "
                 f"{header.num_blocks} blocks; this cache has {self.layout.num_layers} layers"
             )
+        if header.dst_block_ids and len(header.dst_block_ids) != header.num_blocks:
+            raise KVTransferError(
+                f"chunk header for {header.transfer_id!r} lists {len(header.dst_block_ids)} destination "
+                f"blocks for {header.num_blocks} blocks"
+            )
         if header.num_bytes != header.num_blocks * self.block_bytes:
             raise KVTransferError(
                 f"chunk header for {header.transfer_id!r} announces {header.num_bytes} bytes for "
@@ -171,50 +189,50 @@ class ReceiveTable:
             )
 
     def begin_chunk(self, header: kv_transfer_pb2.KVChunkHeader) -> torch.Tensor | None:
-        """The view to receive this (checked) chunk into, or None to receive it into scratch."""
-        start, end = header.dst_block_start, header.dst_block_start + header.num_blocks
+        """Where to receive this (checked) chunk: its destination view, a buffer for a gathered
+        chunk's blocks, or None to receive it into scratch."""
         with self._cond:
             incoming = self._incoming.get(header.transfer_id)
             if incoming is None or incoming.status != TransferStatus.PENDING:
                 return None
-            if _columns(incoming, start, end) is None:
-                logger.warning(
-                    "transfer %r: chunk for blocks [%d, %d) of layer %d, which it does not "
-                    "expect; failing the transfer",
-                    header.transfer_id,
-                    start,
-                    end,
-                    header.layer,
-                )
+            if _columns(incoming, header) is None:
+                logger.warning("transfer %r: chunk for blocks %s of layer %d, which it does not expect; "
+                               "failing the transfer", header.transfer_id, _describe(header), header.layer)
                 self._finish(header.transfer_id, TransferStatus.FAILED)
                 return None
             incoming.num_inflight += 1
-        # view: [num_blocks, 2, block_size, num_kv_heads, head_dim], contiguous
-        return self.kv_caches[header.layer].narrow(0, start, end - start)
+        cache = self.kv_caches[header.layer]  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        if header.dst_block_ids:
+            return cache.new_empty((header.num_blocks, *cache.shape[1:]))
+        return cache.narrow(0, header.dst_block_start, header.num_blocks)  # contiguous
 
-    def end_chunk(self, header: kv_transfer_pb2.KVChunkHeader, landed: bool) -> None:
-        """End the flight begun by `begin_chunk` (which returned a view)."""
-        start, end = header.dst_block_start, header.dst_block_start + header.num_blocks
-        corrupt = (
-            landed
-            and header.HasField("crc32")
-            and chunk_crc32(self.kv_caches[header.layer][start:end]) != header.crc32
-        )
+    def end_chunk(self, header: kv_transfer_pb2.KVChunkHeader, received: torch.Tensor, landed: bool) -> None:
+        """End the flight begun by `begin_chunk`, which returned `received`. A gathered chunk
+        that landed intact is scattered into its blocks here, before they count as landed."""
+        corrupt = landed and header.HasField("crc32") and chunk_crc32(received) != header.crc32
+        if landed and not corrupt and header.dst_block_ids:
+            with self._cond:  # a cancelled transfer's blocks may already belong to another request
+                landed = self._status(header.transfer_id) == TransferStatus.PENDING
+            if landed:
+                ids = torch.tensor(header.dst_block_ids, dtype=torch.long).to(received.device)
+                self.kv_caches[header.layer].view(torch.uint8).index_copy_(0, ids, received.view(torch.uint8))
+                if received.is_cuda:  # landed means readable from any stream
+                    torch.cuda.current_stream(received.device).synchronize()
         with self._cond:
             incoming = self._incoming.get(header.transfer_id)
             if incoming is None:  # evicted as one of the oldest finished transfers
                 return
             incoming.num_inflight -= 1
             if corrupt and incoming.status == TransferStatus.PENDING:
-                logger.error("transfer %r: layer %d blocks [%d, %d) landed corrupted (CRC-32 mismatch); "
-                             "failing the transfer", header.transfer_id, header.layer, start, end)
+                logger.error("transfer %r: layer %d blocks %s landed corrupted (CRC-32 mismatch); "
+                             "failing the transfer", header.transfer_id, header.layer, _describe(header))
                 self._finish(header.transfer_id, TransferStatus.FAILED)
             elif landed and incoming.status == TransferStatus.PENDING:
-                columns = _columns(incoming, start, end)
+                columns = _columns(incoming, header)
                 assert columns is not None, "begin_chunk checked the blocks"
-                row = incoming.landed[header.layer, columns]
-                incoming.num_missing -= int(row.size - row.sum())
-                row[:] = True
+                row = incoming.landed[header.layer]
+                incoming.num_missing -= int(np.count_nonzero(~row[columns]))
+                row[columns] = True
                 if incoming.num_missing == 0:
                     self._finish(header.transfer_id, TransferStatus.DONE)
             self._cond.notify_all()
@@ -320,71 +338,3 @@ class SendTable:
             if outgoing is not None and outgoing.error is not None:
                 return outgoing.error
             return self._errors.get(transfer_id)
-
-
-@dataclass(frozen=True, slots=True)
-class OutgoingChunk:
-    """One segment of a push, ready to go: its header and a view of its bytes."""
-
-    header: kv_transfer_pb2.KVChunkHeader
-    payload: torch.Tensor  # kv_caches[layer][start:start + num_blocks], contiguous
-    ready: torch.cuda.Event | None  # on CUDA: the send waits for the layer's compute
-
-
-def layer_ready(kv_caches: Sequence[torch.Tensor], layer: int, src_block_ids: Sequence[int]) -> torch.cuda.Event | None:
-    """Check a pushed layer and its source ids (KVTransferError); on CUDA, an event recorded
-    on the compute stream now, when the layer's compute has been queued (None on CPU: the
-    layer is ready when it is pushed)."""
-    if not 0 <= layer < len(kv_caches):
-        raise KVTransferError(f"layer {layer} is outside the cache's {len(kv_caches)} layers")
-    check_block_ids(src_block_ids, kv_caches[layer].shape[0], "source")
-    if not kv_caches[layer].is_cuda:
-        return None
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(kv_caches[layer].device))
-    return ready
-
-
-def plan_chunks(
-    kv_caches: Sequence[torch.Tensor],
-    transfer_id: str,
-    layer: int,
-    src_block_ids: Sequence[int],
-    dst_block_ids: Sequence[int],
-) -> list[OutgoingChunk]:
-    """Check a push_layer call and cut it into chunks; raises KVTransferError on bad arguments.
-    The chunks' `ready` is `layer_ready`'s event."""
-    segments = push_segments(transfer_id, src_block_ids, dst_block_ids)
-    ready = layer_ready(kv_caches, layer, src_block_ids)
-    block_bytes = kv_caches[layer].stride(0) * kv_caches[layer].element_size()  # contiguous: check_kv_caches
-    chunks = []
-    injected = faults.active()
-    if injected is not None:
-        faults.delay(injected[0])
-    for segment in segments:
-        start = segment.src_block_start
-        payload = kv_caches[layer].narrow(0, start, segment.num_blocks)  # a view; narrow is cheaper than a slice
-        header = kv_transfer_pb2.KVChunkHeader(
-            transfer_id=transfer_id,
-            layer=layer,
-            dst_block_start=segment.dst_block_start,
-            num_blocks=segment.num_blocks,
-            num_bytes=segment.num_blocks * block_bytes,
-        )
-        if not payload.is_cuda:
-            header.crc32 = chunk_crc32(payload)
-        if injected is not None:
-            spec, rng = injected
-            if rng.random() < spec.drop:
-                faults.INJECTED["drop"] += 1
-                continue
-            if rng.random() < spec.corrupt:
-                faults.INJECTED["corrupt"] += 1
-                payload = faults.corrupted(payload, rng)
-        chunks.append(OutgoingChunk(header, payload, ready))
-    return chunks
-
-
-def chunk_crc32(blocks: torch.Tensor) -> int:
-    """CRC-32 of a run of blocks in host memory (contiguous: a slice of one layer's cache)."""
-    return zlib.crc32(blocks.contiguous().view(-1).view(torch.uint8).numpy().data)

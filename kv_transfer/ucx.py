@@ -12,15 +12,15 @@ Lifecycle of a transfer:
    the receiver answers `HandshakeReply`. A refused sender fails every transfer to that
    endpoint with the mismatch message; the receiver logs it and closes that connection
    only.
-3. `push_layer` cuts the blocks into segments (consecutive source and destination ids)
-   and queues them; on CUDA it records an event that the sends wait for.
-4. The sender sends one frame with the segments' `KVChunkHeader`s (each prefixed with its
-   length, 8 bytes little-endian) under the frame tag, then each segment's raw bytes
-   straight from the cache view, in order, under the bytes tag.
+3. `push_layer` cuts the layer into chunks (chunks.py: a view per run of consecutive ids,
+   or one gathered buffer past a few runs) and queues them; on CUDA with an event to wait.
+4. The sender sends one frame with the chunks' `KVChunkHeader`s (each prefixed with its
+   length, 8 bytes little-endian) under the frame tag, then each chunk's raw bytes, in
+   order, under the bytes tag.
 5. The receiver keeps frame receives posted ahead. For each header it posts the receive
-   of the bytes straight into the destination view, or into scratch when the transfer is
-   unknown or cancelled. Once every layer of every expected block has landed, the
-   transfer is DONE.
+   of the bytes into the destination view, or a gathered chunk's buffer (scattered on
+   arrival), or into scratch when the transfer is unknown or cancelled. Once every layer
+   of every expected block has landed, the transfer is DONE.
 6. `sender.wait(tid)` is DONE once every send of the transfer completed locally.
 7. A connection error fails the sender's transfers on it (the next push reconnects); on
    the receiver it ends that connection's handler only, and its transfers stay PENDING
@@ -65,7 +65,8 @@ from vllm_cluster.kv_transfer.base import (
     pack_frames,
     parse_endpoint,
 )
-from vllm_cluster.kv_transfer.tracking import OutgoingChunk, ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.kv_transfer.chunks import OutgoingChunk, plan_chunks
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable
 from vllm_cluster.kv_transfer.ucx_io import (
     BYTES_TAG,
     CONNECT_TIMEOUT_S,
@@ -210,7 +211,7 @@ class UcxReceiver:
             if dst is not None:
                 if not landed:
                     ep.abort()  # the receive may still be posted: no write after cancel()
-                self._table.end_chunk(header, landed)
+                self._table.end_chunk(header, dst, landed)
 
         task.add_done_callback(finished)
         return task

@@ -47,20 +47,22 @@ class HandshakeReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVChunkHeader(_message.Message):
-    __slots__ = ("transfer_id", "layer", "dst_block_start", "num_blocks", "num_bytes", "crc32")
+    __slots__ = ("transfer_id", "layer", "dst_block_start", "num_blocks", "num_bytes", "crc32", "dst_block_ids")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_START_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     dst_block_start: int
     num_blocks: int
     num_bytes: int
     crc32: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CudaIpcTensor(_message.Message):
     __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offset", "shape", "stride")

@@ -43,11 +43,18 @@ def open_pair(backend: str, closing: list[Any], dtype: torch.dtype = torch.float
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "src_ids,dst_ids",
+    [
+        ([0, 1, 5, 7, 8], [3, 4, 9, 10, 2]),  # runs 0-1->3-4, 5->9, 7->10, 8->2: a chunk each
+        ([9, 1, 7, 3, 5, 11, 12], [2, 14, 0, 6, 12, 4, 5]),  # six runs: one gathered chunk
+    ],
+    ids=["runs", "gathered"],
+)
 def test_blocks_land_exactly_and_only_after_the_last_layer(
-    backend: str, closing: list[Any], dtype: torch.dtype
+    backend: str, closing: list[Any], dtype: torch.dtype, src_ids: list[int], dst_ids: list[int]
 ) -> None:
     src, dst, sender, receiver = open_pair(backend, closing, dtype)
-    src_ids, dst_ids = [0, 1, 5, 7, 8], [3, 4, 9, 10, 2]  # segments: 0-1->3-4, 5->9, 7->10, 8->2
     receiver.expect("req-1", dst_ids)
     assert receiver.status("req-1") == TransferStatus.PENDING
 

@@ -10,7 +10,8 @@ import torch
 from tests.kv_transfer.caches import MODEL, random_caches, zero_caches
 from vllm_cluster.kv_transfer import KVLayout, KVLayoutMismatch, KVTransferError, TransferStatus, make_sender
 from vllm_cluster.kv_transfer.base import Segment, pack_frames, push_segments, split_segments, unpack_frame
-from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable, plan_chunks
+from vllm_cluster.kv_transfer.chunks import MAX_RUN_CHUNKS, plan_chunks
+from vllm_cluster.kv_transfer.tracking import ReceiveTable, SendTable
 from vllm_cluster.proto import kv_transfer_pb2
 
 
@@ -95,6 +96,80 @@ def test_plan_chunks_sends_views_of_the_cache_without_copies() -> None:
         plan_chunks(caches, "t", 0, [16], [0])
 
 
+def test_a_fragmented_layer_goes_as_one_gathered_chunk_that_lands_scattered() -> None:
+    caches = random_caches(seed=0)
+    src, dst = [9, 1, 7, 3, 5, 11], [2, 14, 0, 6, 12, 4]  # six runs: past MAX_RUN_CHUNKS
+    assert len(split_segments(src, dst)) > MAX_RUN_CHUNKS
+    (chunk,) = plan_chunks(caches, "g", 1, src, dst)
+    assert list(chunk.header.dst_block_ids) == dst and chunk.header.num_blocks == len(dst)
+    assert torch.equal(chunk.payload, caches[1][src])  # the source blocks, in pairing order
+    assert chunk.header.HasField("crc32")
+    assert len(plan_chunks(caches, "g", 1, src, dst, gather=False)) == len(src)  # cuda_ipc copies runs
+
+    received = zero_caches(caches)
+    table = ReceiveTable(received, KVLayout.from_kv_caches(caches, MODEL))
+    table.expect("g", sorted(dst))
+    table.check_header(chunk.header)
+    for layer in range(2):
+        (chunk,) = plan_chunks(caches, "g", layer, src, dst)
+        buffer = table.begin_chunk(chunk.header)
+        assert buffer is not None and buffer.data_ptr() != received[layer].data_ptr()
+        buffer.copy_(chunk.payload)  # what the transport does
+        assert table.status("g") == TransferStatus.PENDING
+        table.end_chunk(chunk.header, buffer, landed=True)
+    assert table.status("g") == TransferStatus.DONE
+    for layer in range(2):
+        assert torch.equal(received[layer][dst], caches[layer][src])
+        untouched = [b for b in range(16) if b not in dst]
+        assert not received[layer][untouched].any()
+
+
+def test_a_gathered_chunk_that_lands_corrupted_or_cancelled_writes_no_block() -> None:
+    caches = random_caches(seed=0)
+    src, dst = [9, 1, 7, 3, 5, 11], [2, 14, 0, 6, 12, 4]
+    received = zero_caches(caches)
+    table = ReceiveTable(received, KVLayout.from_kv_caches(caches, MODEL))
+    table.expect("bad", sorted(dst))
+    (chunk,) = plan_chunks(caches, "bad", 0, src, dst)
+    buffer = table.begin_chunk(chunk.header)
+    assert buffer is not None
+    buffer.copy_(chunk.payload)
+    buffer[3] += 1.0  # a flipped payload: its CRC no longer matches
+    table.end_chunk(chunk.header, buffer, landed=True)
+    assert table.status("bad") == TransferStatus.FAILED
+    assert not received[0].any()
+
+    table.expect("late", sorted(dst))
+    (chunk,) = plan_chunks(caches, "late", 0, src, dst)
+    buffer = table.begin_chunk(chunk.header)
+    assert buffer is not None
+    buffer.copy_(chunk.payload)
+    canceller = threading.Thread(target=table.cancel, args=("late",))
+    canceller.start()  # waits for the chunk in flight, which then scatters nothing
+    while table.status("late") == TransferStatus.PENDING:
+        threading.Event().wait(0.01)
+    table.end_chunk(chunk.header, buffer, landed=True)
+    canceller.join(5.0)
+    assert not received[0].any()
+
+
+def test_a_gathered_header_must_name_expected_blocks_once_each() -> None:
+    caches = random_caches(seed=0)
+    table = ReceiveTable(zero_caches(caches), KVLayout.from_kv_caches(caches, MODEL))
+    short = header("t", 0, 0, 3)
+    short.dst_block_ids.extend([1, 2])
+    with pytest.raises(KVTransferError, match="lists 2 destination blocks for 3 blocks"):
+        table.check_header(short)
+    for ids in ([1, 2, 9], [1, 2, 2]):  # block 9 is not expected; block 2 twice
+        table.expect("t", [1, 2, 3])
+        twice = header("t", 0, 0, 3)
+        twice.dst_block_ids.extend(ids)
+        table.check_header(twice)
+        assert table.begin_chunk(twice) is None
+        assert table.status("t") == TransferStatus.FAILED
+        table.cancel("t")
+
+
 def test_push_segments_are_cut_once_per_transfer_and_follow_new_ids() -> None:
     first = push_segments("memo", [0, 1, 2, 5], [10, 11, 3, 4])
     assert first == [Segment(0, 10, 2), Segment(2, 3, 1), Segment(5, 4, 1)]
@@ -114,7 +189,7 @@ def test_receive_table_lands_layer_by_layer() -> None:
             assert table.status("t") == TransferStatus.PENDING
             dst = table.begin_chunk(header("t", layer, start, num_blocks))
             assert dst is not None and dst.shape[0] == num_blocks
-            table.end_chunk(header("t", layer, start, num_blocks), landed=True)
+            table.end_chunk(header("t", layer, start, num_blocks), dst, landed=True)
     assert table.status("t") == TransferStatus.DONE
 
 
@@ -122,8 +197,9 @@ def test_receive_table_failed_write_does_not_count_and_unknown_is_dropped() -> N
     caches = random_caches(seed=0)
     table = ReceiveTable(zero_caches(caches), KVLayout.from_kv_caches(caches, MODEL))
     table.expect("t", [0])
-    table.begin_chunk(header("t", 0, 0, 1))
-    table.end_chunk(header("t", 0, 0, 1), landed=False)
+    dst = table.begin_chunk(header("t", 0, 0, 1))
+    assert dst is not None
+    table.end_chunk(header("t", 0, 0, 1), dst, landed=False)
     assert table.status("t") == TransferStatus.PENDING
     assert table.begin_chunk(header("nobody", 0, 0, 1)) is None
     assert table.status("nobody") == TransferStatus.CANCELLED
@@ -153,7 +229,8 @@ def test_cancel_waits_for_the_write_in_flight() -> None:
     caches = random_caches(seed=0)
     table = ReceiveTable(zero_caches(caches), KVLayout.from_kv_caches(caches, MODEL))
     table.expect("t", [0])
-    assert table.begin_chunk(header("t", 0, 0, 1)) is not None
+    dst = table.begin_chunk(header("t", 0, 0, 1))
+    assert dst is not None
     cancelled = threading.Event()
 
     def cancel() -> None:
@@ -164,7 +241,7 @@ def test_cancel_waits_for_the_write_in_flight() -> None:
     canceller.start()
     assert not cancelled.wait(0.2)  # blocked by the chunk in flight
     assert table.begin_chunk(header("t", 1, 0, 1)) is None  # but no new chunk starts
-    table.end_chunk(header("t", 0, 0, 1), landed=True)
+    table.end_chunk(header("t", 0, 0, 1), dst, landed=True)
     canceller.join(5.0)
     assert cancelled.is_set()
     assert table.status("t") == TransferStatus.CANCELLED
