@@ -96,14 +96,19 @@ def test_plan_chunks_sends_views_of_the_cache_without_copies() -> None:
         plan_chunks(caches, "t", 0, [16], [0])
 
 
-def test_a_fragmented_layer_goes_as_one_gathered_chunk_that_lands_scattered() -> None:
-    caches = random_caches(seed=0)
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))],
+)
+def test_a_fragmented_layer_goes_as_one_gathered_chunk_that_lands_scattered(device: str) -> None:
+    caches = [cache.to(device) for cache in random_caches(seed=0)]
     src, dst = [9, 1, 7, 3, 5, 11], [2, 14, 0, 6, 12, 4]  # six runs: past MAX_RUN_CHUNKS
     assert len(split_segments(src, dst)) > MAX_RUN_CHUNKS
     (chunk,) = plan_chunks(caches, "g", 1, src, dst)
     assert list(chunk.header.dst_block_ids) == dst and chunk.header.num_blocks == len(dst)
     assert torch.equal(chunk.payload, caches[1][src])  # the source blocks, in pairing order
-    assert chunk.header.HasField("crc32")
+    assert chunk.header.HasField("crc32") == (device == "cpu")  # GPU links carry their own
+    assert (chunk.ready is not None) == (device == "cuda")  # recorded after the gather
     assert len(plan_chunks(caches, "g", 1, src, dst, gather=False)) == len(src)  # cuda_ipc copies runs
 
     received = zero_caches(caches)
@@ -114,6 +119,8 @@ def test_a_fragmented_layer_goes_as_one_gathered_chunk_that_lands_scattered() ->
         (chunk,) = plan_chunks(caches, "g", layer, src, dst)
         buffer = table.begin_chunk(chunk.header)
         assert buffer is not None and buffer.data_ptr() != received[layer].data_ptr()
+        if chunk.ready is not None:
+            chunk.ready.synchronize()  # what the senders wait for
         buffer.copy_(chunk.payload)  # what the transport does
         assert table.status("g") == TransferStatus.PENDING
         table.end_chunk(chunk.header, buffer, landed=True)
