@@ -39,9 +39,6 @@ from vllm_cluster.kernels.attention.triton_mla_decode import (
 LATENT, ROPE, BLOCK_SIZE = 512, 64, 16
 # One stage never won; three and four keep more of the context in flight per program.
 SWEEP = [TileConfig(*c) for c in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (2, 3, 4))]
-# Each tile's block ids loaded one iteration ahead, so that the cache loads wait on no load of
-# their own iteration (the bandwidth-bound 16-head case).
-SWEEP += [TileConfig(16, *c, prefetch_ids=True) for c in itertools.product((32, 64), (4, 8), (2, 3))]
 # A variant: tiles and a split count (None: the kernel's own choice, choose_mla_splits).
 Variant = tuple[TileConfig, int | None]
 
@@ -78,7 +75,7 @@ def _check(run: Callable[[], torch.Tensor], q: torch.Tensor, cache: torch.Tensor
 def _describe(variant: Variant) -> str:
     tiles, splits = variant
     return (f"block_h={tiles.block_h} tile_n={tiles.tile_n} warps={tiles.num_warps} stages={tiles.num_stages} "
-            f"{'ids ahead ' if tiles.prefetch_ids else ''}splits={'auto' if splits is None else splits}")  # fmt: skip
+            f"splits={'auto' if splits is None else splits}")  # fmt: skip
 
 
 def bench(batch_size: int, seq_len: int, num_heads: int, sweep: list[Variant]) -> list[Variant]:

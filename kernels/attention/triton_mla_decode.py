@@ -68,7 +68,6 @@ def mla_decode_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,  # load each tile's block ids one iteration ahead
 ):
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -93,18 +92,10 @@ def mla_decode_kernel(
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, LATENT_PAD], tl.float32)
     offs = tl.arange(0, TILE_N)
-    table = block_tables_ptr + seq * stride_table
-    if PREFETCH_IDS:
-        next_blocks = tl.load(table + (start + offs) // BLOCK_SIZE, mask=start + offs < end, other=0)
     for tile in range(start, end, TILE_N):
         toks = tile + offs
         tok_ok = toks < end
-        if PREFETCH_IDS:  # the cache loads below wait on no load of this iteration
-            blocks = next_blocks
-            ahead = toks + TILE_N
-            next_blocks = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        else:
-            blocks = tl.load(table + toks // BLOCK_SIZE, mask=tok_ok, other=0)
+        blocks = tl.load(block_tables_ptr + seq * stride_table + toks // BLOCK_SIZE, mask=tok_ok, other=0)
         rows = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (toks % BLOCK_SIZE) * stride_cache_tok
         latent = tl.load(rows[:, None] + dims[None, :], mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
         rope = tl.load(rows[:, None] + LATENT + rope_dims[None, :], mask=tok_ok[:, None] & rope_ok[None, :], other=0.0)
@@ -202,7 +193,6 @@ class TileConfig:
     tile_n: int  # tokens per step of the walk over the context
     num_warps: int
     num_stages: int
-    prefetch_ids: bool = False  # each tile's block ids loaded one iteration ahead (benchmarked)
 
 
 def default_tile_config(num_heads: int) -> TileConfig:
@@ -261,7 +251,7 @@ def mla_decode_attention(
         LATENT=latent_dim, LATENT_PAD=latent_pad, ROPE=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_SIZE=block_size, BLOCK_H=block_h, TILE_N=tiles.tile_n, NUM_SPLITS=num_splits,
         # fp32 callers want fp32 results, not TF32; 16-bit inputs ignore this.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFETCH_IDS=tiles.prefetch_ids,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -71,18 +71,16 @@ def decode_meta(tables: torch.Tensor, seq_lens: list[int]) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize(
-    ("seq_lens", "num_heads", "block_size", "num_splits", "latent", "prefetch"),
+    ("seq_lens", "num_heads", "block_size", "num_splits", "latent"),
     [
-        ([5, 17, 1], 4, 4, 1, LATENT, False),  # heads padded to a block of 16; contexts not a tile multiple
-        ([40, 9], 20, 8, 3, LATENT, False),  # two head blocks (the last partial), split-K with one split empty for 9
-        ([33, 0], 16, 16, 2, LATENT, False),  # a padding row (seq_len 0) gives zeros
-        ([7, 20], 4, 4, 2, 24, False),  # a latent width that is not a power of two
-        ([5, 17, 1], 4, 4, 1, LATENT, True),  # block ids loaded a tile ahead: the last tile's lookahead masked
-        ([40, 9], 20, 8, 3, LATENT, True),  # ... and an empty split's first lookahead
+        ([5, 17, 1], 4, 4, 1, LATENT),  # heads padded to a block of 16; contexts not a tile multiple
+        ([40, 9], 20, 8, 3, LATENT),  # two head blocks (the last partial), split-K with one split empty for 9
+        ([33, 0], 16, 16, 2, LATENT),  # a padding row (seq_len 0) gives zeros
+        ([7, 20], 4, 4, 2, 24),  # a latent width that is not a power of two
     ],
 )
 def test_triton_mla_decode_matches_torch_path_and_definition(
-    seq_lens: list[int], num_heads: int, block_size: int, num_splits: int, latent: int, prefetch: bool
+    seq_lens: list[int], num_heads: int, block_size: int, num_splits: int, latent: int
 ) -> None:
     q, cache, tables = make_inputs(seq_lens, num_heads, block_size, latent)
     expected = per_head_attention(q, cache, tables, seq_lens)
@@ -91,8 +89,7 @@ def test_triton_mla_decode_matches_torch_path_and_definition(
     torch.testing.assert_close(torch_path[live].double(), expected[live], atol=1e-4, rtol=1e-4)
     triton_out = mla_decode_attention(
         q.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        0.3, latent, num_splits=num_splits,
-        tiles=TileConfig(block_h=16, tile_n=16, num_warps=4, num_stages=1, prefetch_ids=prefetch),
+        0.3, latent, num_splits=num_splits, tiles=TileConfig(block_h=16, tile_n=16, num_warps=4, num_stages=1),
     )  # fmt: skip
     assert triton_out.shape == (len(seq_lens), num_heads, latent)
     torch.testing.assert_close(triton_out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
