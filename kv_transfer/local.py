@@ -9,9 +9,9 @@ Lifecycle of a transfer:
    push to an endpoint does the handshake: the receiver compares the two layouts and, on
    a mismatch, logs it and refuses; every transfer to that endpoint then fails with the
    mismatch message (`sender.error(tid)`).
-4. Each segment (consecutive source and destination blocks) is copied straight from a
-   view of the sender's cache into a view of the receiver's, in the caller's thread, while
-   the receiver counts it in flight (so `cancel` waits for it).
+4. Each chunk (chunks.py: a run of consecutive source and destination blocks, or a
+   layer's scattered blocks gathered) is copied into the receiver's view or buffer, in the
+   caller's thread, while the receiver counts it in flight (so `cancel` waits for it).
 5. `sender.wait(tid)` is DONE once its copies are made; `receiver.status(tid)` is DONE once
    every layer of every expected block has landed.
 6. `receiver.close()` unregisters it; later pushes to it fail.
@@ -76,7 +76,7 @@ class LocalReceiver:
         return self._table.answer_handshake(handshake)
 
     def deliver(self, header: kv_transfer_pb2.KVChunkHeader, src: torch.Tensor) -> None:
-        """Copy one segment in, or drop it if its transfer is not (or no longer) expected."""
+        """Copy one chunk in, or drop it if its transfer is not (or no longer) expected."""
         self._table.check_header(header)
         dst = self._table.begin_chunk(header)
         if dst is None:

@@ -211,7 +211,7 @@ class ReceiveTable:
         that landed intact is scattered into its blocks here, before they count as landed."""
         corrupt = landed and header.HasField("crc32") and chunk_crc32(received) != header.crc32
         if landed and not corrupt and header.dst_block_ids:
-            with self._cond:  # a cancelled transfer's blocks may already belong to another request
+            with self._cond:  # a transfer that failed or is being cancelled gets no more writes
                 landed = self._status(header.transfer_id) == TransferStatus.PENDING
             if landed:
                 ids = torch.tensor(header.dst_block_ids, dtype=torch.long).to(received.device)
