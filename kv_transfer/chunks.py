@@ -68,16 +68,15 @@ def plan_chunks(
     check_layer(kv_caches, layer, src_block_ids)
     cache = kv_caches[layer]
     block_bytes = cache.stride(0) * cache.element_size()  # contiguous: check_kv_caches
-    pieces: list[tuple[kv_transfer_pb2.KVChunkHeader, torch.Tensor]] = []
     if gather and len(segments) > MAX_RUN_CHUNKS:
         ids = torch.tensor(src_block_ids, dtype=torch.long)
         ids = ids.to(cache.device, non_blocking=True) if cache.is_cuda else ids
-        payload = cache.view(torch.uint8).index_select(0, ids).view(cache.dtype)  # bytes: fp8 too
-        pieces.append((_header(transfer_id, layer, 0, len(dst_block_ids), block_bytes), payload))
-        pieces[0][0].dst_block_ids.extend(dst_block_ids)
-    for segment in [] if pieces else segments:
-        payload = cache.narrow(0, segment.src_block_start, segment.num_blocks)  # narrow: cheaper than a slice
-        pieces.append((_header(transfer_id, layer, segment.dst_block_start, segment.num_blocks, block_bytes), payload))
+        header = _header(transfer_id, layer, 0, len(dst_block_ids), block_bytes)
+        header.dst_block_ids.extend(dst_block_ids)
+        pieces = [(header, cache.view(torch.uint8).index_select(0, ids).view(cache.dtype))]  # bytes: fp8 too
+    else:  # narrow: cheaper than a slice
+        pieces = [(_header(transfer_id, layer, s.dst_block_start, s.num_blocks, block_bytes),
+                   cache.narrow(0, s.src_block_start, s.num_blocks)) for s in segments]  # fmt: skip
     ready = _recorded(cache)
     injected = faults.active()
     if injected is not None:
